@@ -1,0 +1,30 @@
+# Every external dependency, found once. Debian 12 packages: tools/install-deps.sh.
+
+find_package(Torch REQUIRED)
+find_package(Threads REQUIRED)
+find_package(spdlog REQUIRED)
+find_package(fmt REQUIRED)
+find_package(nlohmann_json REQUIRED)
+find_package(tomlplusplus REQUIRED)
+find_package(ZLIB REQUIRED)
+
+# Torch's flags (the C++11 ABI define) are already on the torch target; nothing global.
+
+# CUDA: AUTO builds kernels/ and the NCCL code when nvcc exists (/usr/local/cuda here).
+set(LOOM_CUDA_ENABLED OFF)
+if(NOT LOOM_WITH_CUDA STREQUAL "OFF")
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(LOOM_CUDA_ENABLED ON)
+  elseif(LOOM_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "LOOM_WITH_CUDA=ON but no CUDA compiler was found; "
+                        "install the CUDA toolkit or set -DCUDAToolkit_ROOT=/usr/local/cuda")
+  endif()
+endif()
+message(STATUS "Loom: CUDA ${LOOM_CUDA_ENABLED}")

@@ -1,0 +1,100 @@
+// Runtime: the one object a training program builds. It knows this process's place in the
+// job (rank, world size, local rank, coordinator), owns the configuration, the logger and the
+// run directory, and has set the process-wide torch state (threads, seed, determinism).
+// Later areas (collectives, data, checkpoints, control plane) attach to it.
+//
+//   int main(int argc, char** argv) {
+//     return loom::run_main(argc, argv, my_keys(), [](loom::Runtime& rt) {
+//       rt.log().info("rank {} of {}", rt.rank(), rt.world_size());
+//     });
+//   }
+//
+// Thread safety: after init a Runtime is read-only; its accessors may be called from any
+// thread. It is movable, not copyable.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "loom/config.h"
+#include "loom/log.h"
+
+namespace loom {
+
+// Where this process sits in the job. from_env() reads, first found wins:
+//   rank               LOOM_RANK, RANK                          (default 0)
+//   world_size         LOOM_WORLD_SIZE, WORLD_SIZE              (default 1)
+//   local_rank         LOOM_LOCAL_RANK, LOCAL_RANK              (default 0)
+//   local_world_size   LOOM_LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE  (default world_size)
+//   coordinator        LOOM_COORDINATOR, else MASTER_ADDR:MASTER_PORT (default empty)
+// A value that is not an integer, or a rank outside [0, world_size), is InvalidArgument
+// naming the variable.
+struct Topology {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string coordinator;  // "host:port", empty for a single process started by hand
+
+  static Topology from_env();
+  void validate() const;
+};
+
+class Runtime {
+ public:
+  // The keys Runtime itself reads (run.*, log.*). Programs merge their own keys into these.
+  static ConfigSchema schema();
+
+  // Reads the topology from the environment and the configuration from argv (see Config),
+  // with `program_keys` declared beside Runtime's own keys. --help throws HelpRequested.
+  static Runtime init(int argc, const char* const* argv, const ConfigSchema& program_keys = {});
+
+  // For tests and embedders: explicit topology and configuration. `configure_process` = false
+  // leaves torch's global state (threads, seed) alone, for ranks run as threads in one process.
+  static Runtime init(const Config& config, const Topology& topology,
+                      bool configure_process = true);
+
+  Runtime(Runtime&&) noexcept;
+  Runtime& operator=(Runtime&&) noexcept;
+  ~Runtime();
+
+  int rank() const;
+  int world_size() const;
+  int local_rank() const;
+  int local_world_size() const;
+  bool is_main() const { return rank() == 0; }
+  const std::string& coordinator() const;
+  const Topology& topology() const;
+
+  // cpu, or cuda:<local_rank> when run.device is "cuda" or "auto" and CUDA is available.
+  c10::Device device() const;
+  // The base seed (run.seed). torch's global generator is seeded with it on every rank, so
+  // models initialise identically; rank_seed() differs per rank for per-rank randomness.
+  uint64_t seed() const;
+  uint64_t rank_seed() const;
+  // Intra-op threads torch was set to use.
+  int threads() const;
+
+  const Config& config() const;
+  // Created at init; rank 0 writes the resolved config.toml there.
+  const std::filesystem::path& run_dir() const;
+  spdlog::logger& log() const;
+
+ private:
+  struct Impl;
+  explicit Runtime(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The standard main: Runtime::init, then body(runtime). --help prints the usage to stdout and
+// returns 0; a loom::ConfigError or InvalidArgument prints "error: ..." and returns 2; any other
+// exception prints it and returns 1. Returns 0 when body returns.
+int run_main(int argc, const char* const* argv, const ConfigSchema& program_keys,
+             const std::function<void(Runtime&)>& body);
+
+}  // namespace loom

@@ -1,0 +1,206 @@
+// Runtime: topology from the environment, configuration, run directory, logger, and the
+// process-wide torch settings (threads, seed, determinism).
+#include "loom/runtime.h"
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <torch/cuda.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "loom/error.h"
+#include "loom/version.h"
+#include "util/files.h"
+
+namespace loom {
+namespace {
+
+// The integer in the first of `names` that is set; nullopt when none is.
+std::optional<int> env_int(std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    const char* text = std::getenv(name);
+    if (text == nullptr || *text == '\0') continue;
+    char* end = nullptr;
+    errno = 0;
+    long value = std::strtol(text, &end, 10);
+    LOOM_CHECK(errno == 0 && *end == '\0' && value >= 0 && value <= (1 << 24), InvalidArgument,
+               "environment variable ", name, "='", text, "' is not a non-negative integer");
+    return static_cast<int>(value);
+  }
+  return std::nullopt;
+}
+
+std::string env_str(const char* name) {
+  const char* text = std::getenv(name);
+  return text == nullptr ? std::string() : std::string(text);
+}
+
+// Threads for torch's intra-op pool: run.threads, or the machine's cores shared evenly
+// among the ranks on this host.
+int choose_threads(int configured, int local_world_size) {
+  if (configured > 0) return configured;
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, cores / std::max(1, local_world_size));
+}
+
+c10::Device choose_device(const std::string& wanted, int local_rank) {
+  if (wanted == "cpu") return c10::Device(c10::kCPU);
+  LOOM_CHECK(wanted == "auto" || wanted == "cuda", ConfigError, "config key 'run.device' is '",
+             wanted, "': use auto, cpu or cuda");
+  bool cuda = torch::cuda::is_available();
+  if (wanted == "cuda") {
+    LOOM_CHECK(cuda, InvalidArgument,
+               "run.device=cuda but no CUDA device is available (libtorch built without CUDA, "
+               "or no GPU visible); use run.device=cpu or auto");
+  }
+  if (!cuda) return c10::Device(c10::kCPU);
+  int count = static_cast<int>(torch::cuda::device_count());
+  LOOM_CHECK(local_rank < count, InvalidArgument, "local rank ", local_rank, " needs GPU ",
+             local_rank, " but only ", count, " are visible; start at most ", count,
+             " processes per node");
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+// SplitMix64: a well-mixed per-rank seed from the base seed.
+uint64_t mix_seed(uint64_t seed, uint64_t rank) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (rank + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+Topology Topology::from_env() {
+  Topology t;
+  t.rank = env_int({"LOOM_RANK", "RANK"}).value_or(0);
+  t.world_size = env_int({"LOOM_WORLD_SIZE", "WORLD_SIZE"}).value_or(1);
+  t.local_rank = env_int({"LOOM_LOCAL_RANK", "LOCAL_RANK"}).value_or(0);
+  t.local_world_size =
+      env_int({"LOOM_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE"}).value_or(t.world_size);
+  t.coordinator = env_str("LOOM_COORDINATOR");
+  if (t.coordinator.empty() && !env_str("MASTER_ADDR").empty()) {
+    std::string port = env_str("MASTER_PORT");
+    LOOM_CHECK(!port.empty(), InvalidArgument, "MASTER_ADDR is set but MASTER_PORT is not");
+    t.coordinator = env_str("MASTER_ADDR") + ":" + port;
+  }
+  t.validate();
+  return t;
+}
+
+void Topology::validate() const {
+  LOOM_CHECK(world_size >= 1, InvalidArgument, "world size must be at least 1, got ", world_size);
+  LOOM_CHECK(rank >= 0 && rank < world_size, InvalidArgument, "rank ", rank, " is outside [0, ",
+             world_size, "): check LOOM_RANK/RANK and LOOM_WORLD_SIZE");
+  LOOM_CHECK(local_world_size >= 1 && local_rank >= 0 && local_rank < local_world_size,
+             InvalidArgument, "local rank ", local_rank, " is outside [0, ", local_world_size,
+             "): check LOOM_LOCAL_RANK and LOOM_LOCAL_WORLD_SIZE");
+}
+
+struct Runtime::Impl {
+  // Constant after construction.
+  Topology topology;
+  Config config;
+  std::filesystem::path run_dir;
+  std::shared_ptr<spdlog::logger> logger;
+  c10::Device device{c10::kCPU};
+  uint64_t seed = 0;
+  int threads = 1;
+};
+
+Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Runtime::Runtime(Runtime&&) noexcept = default;
+Runtime& Runtime::operator=(Runtime&&) noexcept = default;
+Runtime::~Runtime() = default;
+
+ConfigSchema Runtime::schema() {
+  ConfigSchema s;
+  s.add("run.dir", "runs/default",
+        "run directory: logs, resolved config, metrics and checkpoints go here");
+  s.add("run.seed", int64_t{1234}, "base random seed; the same on every rank");
+  s.add("run.threads", 0, "torch intra-op threads per rank; 0 = cores / ranks on this host");
+  s.add("run.device", "auto", "auto (cuda:<local_rank> when available, else cpu), cpu or cuda");
+  s.add("run.deterministic", false, "make torch use deterministic algorithms only");
+  s.add("log.level", "info", "trace, debug, info, warn, error or off");
+  s.add("log.to_file", true, "also write <run.dir>/logs/rank_<r>.log");
+  return s;
+}
+
+Runtime Runtime::init(int argc, const char* const* argv, const ConfigSchema& program_keys) {
+  ConfigSchema keys = schema();
+  keys.merge(program_keys);
+  Topology topology = Topology::from_env();
+  return init(Config::from_args(keys, argc, argv), topology);
+}
+
+Runtime Runtime::init(const Config& config, const Topology& topology, bool configure_process) {
+  topology.validate();
+  auto impl = std::make_unique<Impl>(Impl{topology, config, {}, {}, c10::Device(c10::kCPU)});
+  impl->run_dir = std::filesystem::absolute(config.get<std::string>("run.dir"));
+  std::filesystem::create_directories(impl->run_dir);
+
+  std::optional<std::filesystem::path> log_file;
+  if (config.get<bool>("log.to_file")) {
+    log_file = impl->run_dir / "logs" / detail::concat("rank_", topology.rank, ".log");
+  }
+  impl->logger = log::make_logger(topology.rank, topology.world_size,
+                                  config.get<std::string>("log.level"), log_file);
+
+  impl->seed = static_cast<uint64_t>(config.get<int64_t>("run.seed"));
+  impl->threads = choose_threads(config.get<int>("run.threads"), topology.local_world_size);
+  impl->device = choose_device(config.get<std::string>("run.device"), topology.local_rank);
+  if (configure_process) {
+    at::set_num_threads(impl->threads);
+    at::manual_seed(impl->seed);
+    at::globalContext().setDeterministicAlgorithms(config.get<bool>("run.deterministic"),
+                                                   /*warn_only=*/false);
+  }
+  if (topology.rank == 0) {
+    util::write_file_atomic(impl->run_dir / "config.toml", config.to_toml());
+  }
+  impl->logger->info("loom {}: rank {} of {}, local rank {}, device {}, {} threads, seed {}",
+                     version(), topology.rank, topology.world_size, topology.local_rank,
+                     impl->device.str(), impl->threads, impl->seed);
+  return Runtime(std::move(impl));
+}
+
+int Runtime::rank() const { return impl_->topology.rank; }
+int Runtime::world_size() const { return impl_->topology.world_size; }
+int Runtime::local_rank() const { return impl_->topology.local_rank; }
+int Runtime::local_world_size() const { return impl_->topology.local_world_size; }
+const std::string& Runtime::coordinator() const { return impl_->topology.coordinator; }
+const Topology& Runtime::topology() const { return impl_->topology; }
+c10::Device Runtime::device() const { return impl_->device; }
+uint64_t Runtime::seed() const { return impl_->seed; }
+uint64_t Runtime::rank_seed() const {
+  return mix_seed(impl_->seed, static_cast<uint64_t>(impl_->topology.rank));
+}
+int Runtime::threads() const { return impl_->threads; }
+const Config& Runtime::config() const { return impl_->config; }
+const std::filesystem::path& Runtime::run_dir() const { return impl_->run_dir; }
+spdlog::logger& Runtime::log() const { return *impl_->logger; }
+
+const char* version() { return LOOM_VERSION; }
+
+int run_main(int argc, const char* const* argv, const ConfigSchema& program_keys,
+             const std::function<void(Runtime&)>& body) {
+  try {
+    Runtime runtime = Runtime::init(argc, argv, program_keys);
+    body(runtime);
+    return 0;
+  } catch (const HelpRequested& help) {
+    std::cout << help.what() << std::endl;
+    return 0;
+  } catch (const InvalidArgument& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+}
+
+}  // namespace loom

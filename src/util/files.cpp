@@ -1,0 +1,69 @@
+// Durable file helpers (see files.h).
+#include "util/files.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+
+#include "loom/error.h"
+
+namespace loom::util {
+namespace {
+
+// Closes a descriptor on scope exit.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+std::atomic<uint64_t> temp_counter{0};
+
+}  // namespace
+
+void fsync_dir(const std::filesystem::path& dir) {
+  Fd fd(LOOM_CHECK_SYS(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), "opening ", dir));
+  LOOM_CHECK_SYS(::fsync(fd.get()), "syncing directory ", dir);
+}
+
+void write_file_atomic(const std::filesystem::path& path, const std::string& contents) {
+  std::filesystem::path dir = path.parent_path().empty() ? "." : path.parent_path();
+  std::filesystem::path temp = dir / detail::concat(".", path.filename().string(), ".tmp.",
+                                                    ::getpid(), ".", temp_counter.fetch_add(1));
+  {
+    Fd fd(LOOM_CHECK_SYS(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                         "creating ", temp));
+    size_t done = 0;
+    while (done < contents.size()) {
+      ssize_t n = LOOM_CHECK_SYS(::write(fd.get(), contents.data() + done, contents.size() - done),
+                                 "writing ", temp);
+      done += static_cast<size_t>(n);
+    }
+    LOOM_CHECK_SYS(::fsync(fd.get()), "syncing ", temp);
+  }
+  LOOM_CHECK_SYS(::rename(temp.c_str(), path.c_str()), "renaming ", temp, " to ", path);
+  fsync_dir(dir);
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  Fd fd(LOOM_CHECK_SYS(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "opening ", path));
+  std::string out;
+  char buffer[1 << 16];
+  while (true) {
+    ssize_t n = LOOM_CHECK_SYS(::read(fd.get(), buffer, sizeof(buffer)), "reading ", path);
+    if (n == 0) break;
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+}  // namespace loom::util

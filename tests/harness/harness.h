@@ -1,0 +1,74 @@
+// The multi-rank test harness: run N ranks as threads over an InMemoryStore, or as real
+// processes (re-executions of the current test binary) over a FileStore, and collect every
+// rank's failure. Plus RAII temporary directories.
+//
+//   TEST(Allreduce, Sums) {
+//     loom::testing::expect_all_ok(loom::testing::run_threads(3, [](loom::testing::Rank& r) {
+//       ... r.rank, r.world, r.store, r.dir ...
+//     }));
+//   }
+//
+// A rank fails when its function throws or records a GoogleTest failure. A failure recorded on
+// a rank's thread is captured into that rank's outcome, not into the enclosing test: check the
+// outcomes (expect_all_ok). run_processes re-runs the current test in each child with
+// LOOM_TEST_RANK/WORLD/DIR set; in a child the call runs the function for that rank and ends the
+// process (exit 0 on success), so call it at most once per TEST. A child that exceeds the
+// timeout is killed and reported.
+#pragma once
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "loom/comm/store.h"
+
+namespace loom::testing {
+
+// A fresh directory under $TMPDIR (or /tmp), removed with its contents on destruction.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "loom-test");
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// What a rank function sees.
+struct Rank {
+  int rank;
+  int world;
+  comm::Store& store;         // shared by all ranks of this run
+  std::filesystem::path dir;  // a directory shared by all ranks of this run
+};
+
+struct RankOutcome {
+  int rank = 0;
+  bool ok = false;
+  std::string error;  // what failed: the exception, "N GoogleTest failure(s)", the exit status
+};
+
+using RankFn = std::function<void(Rank&)>;
+
+std::vector<RankOutcome> run_threads(int world, const RankFn& fn);
+
+struct ProcessOptions {
+  std::chrono::seconds timeout{120};       // the whole run; stragglers are SIGKILLed
+  std::map<std::string, std::string> env;  // extra environment for every child
+};
+std::vector<RankOutcome> run_processes(int world, const RankFn& fn, const ProcessOptions& = {});
+
+// True in a child started by run_processes.
+bool in_child_process();
+
+// Records one GoogleTest failure per failed rank, naming the rank and its error.
+void expect_all_ok(const std::vector<RankOutcome>& outcomes);
+
+}  // namespace loom::testing

@@ -1,0 +1,179 @@
+// Runtime: topology from env (Loom and torchrun names), run directory, config dump, seeds.
+#include "loom/runtime.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+
+#include "harness/harness.h"
+#include "util/files.h"
+
+namespace loom {
+namespace {
+
+// Sets environment variables for one test and restores the previous values afterwards.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (const auto& [name, value] : vars) {
+      const char* old = std::getenv(name);
+      saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
+      if (value) {
+        ::setenv(name, value, 1);
+      } else {
+        ::unsetenv(name);
+      }
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& [name, value] : saved_) {
+      if (value) {
+        ::setenv(name.c_str(), value->c_str(), 1);
+      } else {
+        ::unsetenv(name.c_str());
+      }
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+const std::initializer_list<std::pair<const char*, const char*>> kNoTopologyEnv = {
+    {"LOOM_RANK", nullptr},
+    {"RANK", nullptr},
+    {"LOOM_WORLD_SIZE", nullptr},
+    {"WORLD_SIZE", nullptr},
+    {"LOOM_LOCAL_RANK", nullptr},
+    {"LOCAL_RANK", nullptr},
+    {"LOOM_LOCAL_WORLD_SIZE", nullptr},
+    {"LOCAL_WORLD_SIZE", nullptr},
+    {"LOOM_COORDINATOR", nullptr},
+    {"MASTER_ADDR", nullptr},
+    {"MASTER_PORT", nullptr}};
+
+TEST(Topology, DefaultsToOneProcess) {
+  ScopedEnv env(kNoTopologyEnv);
+  Topology t = Topology::from_env();
+  EXPECT_EQ(t.rank, 0);
+  EXPECT_EQ(t.world_size, 1);
+  EXPECT_EQ(t.local_rank, 0);
+  EXPECT_EQ(t.coordinator, "");
+}
+
+TEST(Topology, ReadsTorchrunNames) {
+  ScopedEnv clear(kNoTopologyEnv);
+  ScopedEnv env({{"RANK", "3"},
+                 {"WORLD_SIZE", "4"},
+                 {"LOCAL_RANK", "1"},
+                 {"LOCAL_WORLD_SIZE", "2"},
+                 {"MASTER_ADDR", "10.1.2.3"},
+                 {"MASTER_PORT", "29500"}});
+  Topology t = Topology::from_env();
+  EXPECT_EQ(t.rank, 3);
+  EXPECT_EQ(t.world_size, 4);
+  EXPECT_EQ(t.local_rank, 1);
+  EXPECT_EQ(t.local_world_size, 2);
+  EXPECT_EQ(t.coordinator, "10.1.2.3:29500");
+}
+
+TEST(Topology, LoomNamesWinOverTorchrunNames) {
+  ScopedEnv clear(kNoTopologyEnv);
+  ScopedEnv env({{"RANK", "3"},
+                 {"WORLD_SIZE", "4"},
+                 {"LOOM_RANK", "1"},
+                 {"LOOM_WORLD_SIZE", "2"},
+                 {"LOOM_COORDINATOR", "node0:7000"},
+                 {"MASTER_ADDR", "x"},
+                 {"MASTER_PORT", "1"}});
+  Topology t = Topology::from_env();
+  EXPECT_EQ(t.rank, 1);
+  EXPECT_EQ(t.world_size, 2);
+  EXPECT_EQ(t.coordinator, "node0:7000");
+}
+
+TEST(Topology, BadValuesNameTheVariable) {
+  ScopedEnv clear(kNoTopologyEnv);
+  {
+    ScopedEnv env({{"LOOM_RANK", "two"}});
+    EXPECT_THROW(
+        {
+          try {
+            Topology::from_env();
+          } catch (const InvalidArgument& e) {
+            EXPECT_NE(std::string(e.what()).find("LOOM_RANK='two'"), std::string::npos);
+            throw;
+          }
+        },
+        InvalidArgument);
+  }
+  {
+    ScopedEnv env({{"LOOM_RANK", "4"}, {"LOOM_WORLD_SIZE", "4"}});
+    EXPECT_THROW(Topology::from_env(), InvalidArgument);
+  }
+  {
+    ScopedEnv env({{"MASTER_ADDR", "host"}});
+    EXPECT_THROW(Topology::from_env(), InvalidArgument);
+  }
+}
+
+Config config_in(const testing::TempDir& dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {"prog", "--run.dir=" + (dir / "run").string(),
+                                   "--log.level=warn"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return Config::from_args(Runtime::schema(), static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(Runtime, CreatesRunDirWithResolvedConfigAndLog) {
+  testing::TempDir dir;
+  Runtime rt = Runtime::init(config_in(dir, {"--run.seed=77"}), Topology{});
+  EXPECT_TRUE(std::filesystem::is_directory(rt.run_dir()));
+  EXPECT_EQ(rt.run_dir(), dir / "run");
+  std::string saved = util::read_file(rt.run_dir() / "config.toml");
+  EXPECT_NE(saved.find("seed = 77"), std::string::npos) << saved;
+  rt.log().warn("a line for the file");
+  rt.log().flush();
+  std::string log = util::read_file(rt.run_dir() / "logs" / "rank_0.log");
+  EXPECT_NE(log.find("[rank 0/1]"), std::string::npos) << log;
+  EXPECT_NE(log.find("a line for the file"), std::string::npos) << log;
+}
+
+TEST(Runtime, SeedsTorchDeterministically) {
+  testing::TempDir dir;
+  Runtime first = Runtime::init(config_in(dir, {"--run.seed=5"}), Topology{});
+  torch::Tensor a = torch::randn({8});
+  Runtime second = Runtime::init(config_in(dir, {"--run.seed=5"}), Topology{});
+  torch::Tensor b = torch::randn({8});
+  EXPECT_TRUE(torch::equal(a, b));
+  EXPECT_EQ(first.seed(), 5u);
+}
+
+TEST(Runtime, RankSeedsDifferPerRank) {
+  testing::TempDir dir;
+  Topology t0{0, 2, 0, 2, ""};
+  Topology t1{1, 2, 1, 2, ""};
+  Runtime r0 = Runtime::init(config_in(dir), t0, /*configure_process=*/false);
+  Runtime r1 = Runtime::init(config_in(dir), t1, /*configure_process=*/false);
+  EXPECT_EQ(r0.seed(), r1.seed());
+  EXPECT_NE(r0.rank_seed(), r1.rank_seed());
+}
+
+TEST(Runtime, ThreadsAndDevice) {
+  testing::TempDir dir;
+  Runtime rt = Runtime::init(config_in(dir, {"--run.threads=1", "--run.device=cpu"}), Topology{});
+  EXPECT_EQ(rt.threads(), 1);
+  EXPECT_EQ(at::get_num_threads(), 1);
+  EXPECT_TRUE(rt.device().is_cpu());
+  EXPECT_THROW(Runtime::init(config_in(dir, {"--run.device=tpu"}), Topology{}), ConfigError);
+}
+
+TEST(Runtime, InvalidTopologyIsRejected) {
+  testing::TempDir dir;
+  EXPECT_THROW(Runtime::init(config_in(dir), Topology{2, 2, 0, 1, ""}), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Configures and builds Loom with Ninja (and ccache when present) into $LOOM_BUILD_DIR
+# (default build/). Extra arguments go to cmake's configure step, e.g. -DLOOM_WITH_CUDA=OFF.
+# Targets to build can be named in $LOOM_TARGETS (default: all).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${LOOM_BUILD_DIR:-build}
+jobs=${LOOM_JOBS:-$(nproc)}
+
+# Build directories differ only in their path: let ccache share objects between them.
+export CCACHE_NOHASHDIR=true
+export CCACHE_BASEDIR=$PWD
+export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-10G}
+
+start=$(date +%s)
+cmake -S . -B "$build_dir" -G Ninja "$@" > "$build_dir.configure.log" 2>&1 ||
+  { cat "$build_dir.configure.log"; echo "build.sh: cmake configure failed" >&2; exit 1; }
+# shellcheck disable=SC2086
+cmake --build "$build_dir" -j "$jobs" ${LOOM_TARGETS:+--target $LOOM_TARGETS}
+echo "build.sh: $build_dir built in $(( $(date +%s) - start )) s"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Quick start, command two: installs what is missing (apt), builds Loom and runs every test.
+#   tools/run-tests.sh              all tests (unit, integration, slow)
+#   tools/run-tests.sh -LE slow     ctest arguments pass through (here: skip the slow ones)
+# Where nvcc exists (/usr/local/cuda) the CUDA configuration (LOOM_WITH_CUDA=ON) is built
+# too; its GPU tests run where a GPU is visible.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+
+tools/install-deps.sh
+
+if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc > /dev/null; then
+  echo "run-tests: building the CUDA configuration (LOOM_WITH_CUDA=ON)"
+  LOOM_BUILD_DIR=build-cuda LOOM_TARGETS="loom loom_gpu_tests" tools/build.sh \
+    -DLOOM_WITH_CUDA=ON -DLOOM_BUILD_EXAMPLES=OFF -DLOOM_BUILD_BENCHMARKS=OFF
+  if nvidia-smi -L > /dev/null 2>&1; then
+    ctest --test-dir build-cuda --output-on-failure -L gpu
+  else
+    echo "run-tests: no GPU visible; the CUDA build compiled and linked, its GPU tests not run"
+  fi
+fi
+
+echo "run-tests: building and testing the CPU configuration (LOOM_WITH_CUDA=OFF)"
+tools/build.sh -DLOOM_WITH_CUDA=OFF
+echo "run-tests: built in $(( $(date +%s) - start )) s; running ctest"
+ctest --test-dir build --output-on-failure --timeout 600 -j "$(nproc)" "$@"
+echo "run-tests: passed in $(( $(date +%s) - start )) s"
