@@ -19,7 +19,8 @@ template <typename T>
 std::vector<T> run_on_gpu(std::vector<T> host,
                           cudaError_t (*kernel)(T*, int64_t, float, cudaStream_t), float factor) {
   T* device = nullptr;
-  EXPECT_EQ(cudaMalloc(&device, host.size() * sizeof(T) + 1), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&device), host.size() * sizeof(T) + 1),
+            cudaSuccess);
   EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
             cudaSuccess);
   EXPECT_EQ(kernel(device, static_cast<int64_t>(host.size()), factor, nullptr), cudaSuccess);
@@ -52,7 +53,9 @@ TEST(ScaleKernel, Bf16MatchesReferenceBitwise) {
   std::vector<uint16_t> got = run_on_gpu(data, scale_bf16, 1.0f / 3.0f);
   for (size_t i = 0; i < got.size(); ++i) {
     bool both_nan = (expected[i] & 0x7fff) > 0x7f80 && (got[i] & 0x7fff) > 0x7f80;
-    if (!both_nan) ASSERT_EQ(got[i], expected[i]) << "element " << i;
+    if (!both_nan) {
+      ASSERT_EQ(got[i], expected[i]) << "element " << i;
+    }
   }
 }
 
