@@ -13,8 +13,10 @@
 #include <optional>
 #include <thread>
 
+#include "comm/counter.h"
 #include "loom/comm/store.h"
 #include "loom/error.h"
+#include "util/fd.h"
 
 namespace loom::comm {
 namespace {
@@ -23,21 +25,6 @@ using Clock = std::chrono::steady_clock;
 
 // Longest file name most Linux file systems accept.
 constexpr size_t kMaxFileName = 255;
-
-// An owned file descriptor, closed on destruction.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 // Holds an exclusive flock on <dir>/.lock for its lifetime. Each instance opens its own file
 // description, so the lock also excludes other threads of this process.
@@ -56,7 +43,7 @@ class DirLock {
 
  private:
   std::filesystem::path path_;
-  Fd fd_;
+  util::UniqueFd fd_;
 };
 
 // Key bytes outside [A-Za-z0-9_.-] become %XX; the "k_" prefix keeps every key file apart from
@@ -81,7 +68,7 @@ std::string encode_key(const std::string& key) {
 std::optional<std::string> read_file(const std::filesystem::path& path) {
   const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (raw == -1 && errno == ENOENT) return std::nullopt;
-  Fd fd(LOOM_CHECK_SYS(raw, "opening ", path.string()));
+  util::UniqueFd fd(LOOM_CHECK_SYS(raw, "opening ", path.string()));
   std::string data;
   char buffer[4096];
   for (;;) {
@@ -98,8 +85,8 @@ std::optional<std::string> read_file(const std::filesystem::path& path) {
 // rendezvous, so there is no fsync.
 void write_file_atomically(const std::filesystem::path& path, const std::string& value) {
   std::string temp = (path.parent_path() / ".tmp-XXXXXX").string();
-  Fd fd(LOOM_CHECK_SYS(::mkostemp(temp.data(), O_CLOEXEC), "creating a temporary file in ",
-                       path.parent_path().string()));
+  util::UniqueFd fd(LOOM_CHECK_SYS(::mkostemp(temp.data(), O_CLOEXEC),
+                                   "creating a temporary file in ", path.parent_path().string()));
   try {
     size_t written = 0;
     while (written < value.size()) {
@@ -112,17 +99,6 @@ void write_file_atomically(const std::filesystem::path& path, const std::string&
     ::unlink(temp.c_str());
     throw;
   }
-}
-
-int64_t parse_counter(const std::string& key, const std::string& value) {
-  const bool starts_well =
-      !value.empty() && (value[0] == '-' || std::isdigit(static_cast<unsigned char>(value[0])));
-  char* end = nullptr;
-  errno = 0;
-  const long long parsed = starts_well ? std::strtoll(value.c_str(), &end, 10) : 0;
-  LOOM_CHECK(starts_well && errno == 0 && end == value.c_str() + value.size(), InvalidArgument,
-             "FileStore::add: key '", key, "' holds '", value, "', which is not a decimal integer");
-  return parsed;
 }
 
 // Calls ready() with a backoff of 1 ms doubling to 20 ms until it returns true (then true) or
@@ -179,7 +155,7 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   const std::filesystem::path path = path_of(key);
   DirLock lock(dir_);
   const std::optional<std::string> value = read_file(path);
-  const int64_t current = value ? parse_counter(key, *value) : 0;
+  const int64_t current = value ? parse_counter("FileStore", key, *value) : 0;
   int64_t result = 0;
   LOOM_CHECK(!__builtin_add_overflow(current, delta, &result), InvalidArgument,
              "FileStore::add: key '", key, "' would overflow (", current, " + ", delta, ")");

@@ -7,26 +7,13 @@
 #include <cerrno>
 #include <cstdlib>
 
+#include "comm/counter.h"
 #include "loom/error.h"
 
 namespace loom::comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// The integer held by a counter key; anything but exactly a decimal integer (strtoll alone would
-// accept leading spaces and trailing bytes) is InvalidArgument.
-int64_t parse_counter(const std::string& key, const std::string& value) {
-  const bool starts_well =
-      !value.empty() && (value[0] == '-' || std::isdigit(static_cast<unsigned char>(value[0])));
-  char* end = nullptr;
-  errno = 0;
-  const long long parsed = starts_well ? std::strtoll(value.c_str(), &end, 10) : 0;
-  LOOM_CHECK(starts_well && errno == 0 && end == value.c_str() + value.size(), InvalidArgument,
-             "InMemoryStore::add: key '", key, "' holds '", value,
-             "', which is not a decimal integer");
-  return parsed;
-}
 
 Timeout missing_keys_error(std::chrono::milliseconds timeout, const std::vector<std::string>& keys,
                            const std::map<std::string, std::string>& data) {
@@ -61,7 +48,7 @@ int64_t InMemoryStore::add(const std::string& key, int64_t delta) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = data_.find(key);
-    const int64_t current = it == data_.end() ? 0 : parse_counter(key, it->second);
+    const int64_t current = it == data_.end() ? 0 : parse_counter("InMemoryStore", key, it->second);
     LOOM_CHECK(!__builtin_add_overflow(current, delta, &result), InvalidArgument,
                "InMemoryStore::add: key '", key, "' would overflow (", current, " + ", delta, ")");
     data_[key] = std::to_string(result);
@@ -140,6 +127,17 @@ std::vector<std::string> PrefixStore::full(const std::vector<std::string>& keys)
   result.reserve(keys.size());
   for (const std::string& key : keys) result.push_back(full(key));
   return result;
+}
+
+int64_t parse_counter(const char* store, const std::string& key, const std::string& value) {
+  const bool starts_well =
+      !value.empty() && (value[0] == '-' || std::isdigit(static_cast<unsigned char>(value[0])));
+  char* end = nullptr;
+  errno = 0;
+  const long long parsed = starts_well ? std::strtoll(value.c_str(), &end, 10) : 0;
+  LOOM_CHECK(starts_well && errno == 0 && end == value.c_str() + value.size(), InvalidArgument,
+             store, "::add: key '", key, "' holds '", value, "', which is not a decimal integer");
+  return parsed;
 }
 
 }  // namespace loom::comm

@@ -7,31 +7,18 @@
 #include <atomic>
 
 #include "loom/error.h"
+#include "util/fd.h"
 
 namespace loom::util {
 namespace {
-
-// Closes a descriptor on scope exit.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 std::atomic<uint64_t> temp_counter{0};
 
 }  // namespace
 
 void fsync_dir(const std::filesystem::path& dir) {
-  Fd fd(LOOM_CHECK_SYS(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), "opening ", dir));
+  UniqueFd fd(
+      LOOM_CHECK_SYS(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), "opening ", dir));
   LOOM_CHECK_SYS(::fsync(fd.get()), "syncing directory ", dir);
 }
 
@@ -40,8 +27,8 @@ void write_file_atomic(const std::filesystem::path& path, const std::string& con
   std::filesystem::path temp = dir / detail::concat(".", path.filename().string(), ".tmp.",
                                                     ::getpid(), ".", temp_counter.fetch_add(1));
   {
-    Fd fd(LOOM_CHECK_SYS(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                         "creating ", temp));
+    UniqueFd fd(LOOM_CHECK_SYS(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                               "creating ", temp));
     size_t done = 0;
     while (done < contents.size()) {
       ssize_t n = LOOM_CHECK_SYS(::write(fd.get(), contents.data() + done, contents.size() - done),
@@ -55,7 +42,7 @@ void write_file_atomic(const std::filesystem::path& path, const std::string& con
 }
 
 std::string read_file(const std::filesystem::path& path) {
-  Fd fd(LOOM_CHECK_SYS(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "opening ", path));
+  UniqueFd fd(LOOM_CHECK_SYS(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "opening ", path));
   std::string out;
   char buffer[1 << 16];
   while (true) {
