@@ -7,6 +7,8 @@ find_package(fmt REQUIRED)
 find_package(nlohmann_json REQUIRED)
 find_package(tomlplusplus REQUIRED)
 find_package(ZLIB REQUIRED)
+find_package(Gloo REQUIRED)  # CPU collectives (libgloo-dev); target gloo
+find_package(CLI11 CONFIG REQUIRED)  # the loom tool and the benchmarks' command lines
 
 # Torch's flags (the C++11 ABI define) are already on the torch target; nothing global.
 

@@ -1,0 +1,33 @@
+// The Gloo backend: collectives on CPU tensors over TCP, bootstrapped through a Store.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "loom/comm/group.h"
+#include "loom/comm/store.h"
+
+namespace loom::comm {
+
+struct GlooOptions {
+  std::string hostname = "127.0.0.1";  // the address this rank listens on and advertises
+  std::string interface;               // a network interface to use instead, e.g. "eth0"
+  std::chrono::milliseconds connect_timeout{std::chrono::seconds(120)};
+  size_t flight_capacity = 2048;          // ops kept by the flight recorder
+  std::filesystem::path flight_dump_dir;  // rank_<r>.json is written here on a timeout ("" = no)
+  std::string name = "world";             // the group's name in errors and dumps
+};
+
+// Connects `size` ranks (this one is `rank`) in a full mesh; every rank calls it with the same
+// store. Keys live under "gloo/<name>#<n>", n counting this rank's creations of that name, so a
+// name may be reused (tests, rebuilding after a failure). Blocks until connected or the connect
+// timeout, which is a Timeout naming the ranks that did not arrive. The store must outlive the
+// group: new_subgroup bootstraps through it. Destroying the group fails the ops not yet started;
+// an op in flight ends first (when its peers close their connections or its timeout passes).
+std::unique_ptr<Group> new_gloo_group(Store& store, int rank, int size,
+                                      const GlooOptions& options = {});
+
+}  // namespace loom::comm

@@ -1,0 +1,734 @@
+// The Gloo backend of comm::Group: CPU collectives over TCP. Bootstrap goes through a
+// loom::comm::Store (adapted to gloo's rendezvous::Store); ops run on one worker thread per
+// group in issue order; send/recv are posted by that worker and completed by a second thread so
+// that an exchange (both ranks send, then recv) does not deadlock.
+
+#include "loom/comm/gloo.h"
+
+#include <ATen/ATen.h>
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/common/logging.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "comm/group_internal.h"
+#include "comm/reduce_kernels.h"
+#include "comm/work.h"
+#include "loom/comm/flight_recorder.h"
+#include "loom/error.h"
+
+namespace loom::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using GlooContext = gloo::rendezvous::Context;
+using std::chrono::milliseconds;
+
+// gloo's collectives put their slot prefix (0x01..0x08) in the top byte of a 64-bit slot;
+// send/recv tags get a prefix of their own so they never match a collective's messages.
+constexpr uint64_t kSendRecvSlotBase = uint64_t{0x40} << 56;
+
+[[noreturn]] void throw_gloo_error(const char* call, const char* what, const char* file, int line) {
+  const std::string where = std::filesystem::path(file).filename().string();
+  throw CommError(detail::concat(call, " failed: ", what, " [", where, ":", line, "]"));
+}
+
+}  // namespace
+}  // namespace loom::comm
+
+// Runs a statement that calls gloo; gloo's exceptions become loom::CommError naming the call, the
+// gloo message (which names the peer's address for connection errors), file and line.
+#define LOOM_GLOO_CHECK(statement)                                              \
+  do {                                                                          \
+    try {                                                                       \
+      statement;                                                                \
+    } catch (const ::gloo::Exception& e) {                                      \
+      ::loom::comm::throw_gloo_error(#statement, e.what(), __FILE__, __LINE__); \
+    } catch (const ::gloo::EnforceNotMet& e) {                                  \
+      ::loom::comm::throw_gloo_error(#statement, e.what(), __FILE__, __LINE__); \
+    }                                                                           \
+  } while (0)
+
+namespace loom::comm {
+namespace {
+
+// loom::comm::Store seen as gloo's rendezvous store (used only during connectFullMesh).
+class StoreAdapter final : public gloo::rendezvous::Store {
+ public:
+  StoreAdapter(comm::Store& store, milliseconds timeout) : store_(store), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_.set(key, std::string(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const std::string value = store_.get(key, timeout_);
+    return std::vector<char>(value.begin(), value.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_.wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const milliseconds& timeout) override {
+    store_.wait(keys, timeout);
+  }
+
+ private:
+  comm::Store& store_;
+  const milliseconds timeout_;
+};
+
+// --- typed gloo calls ------------------------------------------------------------------------
+
+template <typename T>
+gloo::AllreduceOptions::Func reduce_function(ReduceOp op) {
+  return reduce_kernel<T>(op);  // kAvg sums; the caller divides afterwards
+}
+
+template <typename T>
+void allreduce_typed(const std::shared_ptr<gloo::Context>& context, const at::Tensor& tensor,
+                     ReduceOp op, uint32_t tag, milliseconds timeout) {
+  gloo::AllreduceOptions options(context);
+  options.setOutput(static_cast<T*>(tensor.data_ptr()), static_cast<size_t>(tensor.numel()));
+  options.setReduceFunction(reduce_function<T>(op));
+  options.setTag(tag);
+  options.setTimeout(timeout);
+  LOOM_GLOO_CHECK(gloo::allreduce(options));
+}
+
+// tensor <- op over every rank's tensor, in place. bf16/fp16 accumulate in an fp32 temporary
+// (one conversion each way, so sums of many ranks do not lose bits at every step); kAvg is a
+// sum divided by the group size, in the accumulation dtype.
+void allreduce_tensor(const std::shared_ptr<gloo::Context>& context, const at::Tensor& tensor,
+                      ReduceOp op, uint32_t tag, milliseconds timeout) {
+  switch (tensor.scalar_type()) {
+    case at::kBFloat16:
+    case at::kHalf: {
+      const at::Tensor accumulator = tensor.to(at::kFloat);
+      allreduce_tensor(context, accumulator, op, tag, timeout);
+      tensor.copy_(accumulator);
+      return;
+    }
+    case at::kFloat:
+      allreduce_typed<float>(context, tensor, op, tag, timeout);
+      break;
+    case at::kDouble:
+      allreduce_typed<double>(context, tensor, op, tag, timeout);
+      break;
+    case at::kInt:
+      allreduce_typed<int32_t>(context, tensor, op, tag, timeout);
+      break;
+    case at::kLong:
+      allreduce_typed<int64_t>(context, tensor, op, tag, timeout);
+      break;
+    case at::kByte:
+      allreduce_typed<uint8_t>(context, tensor, op, tag, timeout);
+      break;
+    default:
+      throw InvalidArgument(detail::concat("all_reduce: unsupported dtype ",
+                                           internal::dtype_name(tensor.scalar_type())));
+  }
+  if (op == ReduceOp::kAvg) tensor.div_(context->size);  // integers were rejected at issue
+}
+
+size_t nbytes(const at::Tensor& tensor) { return tensor.numel() * tensor.element_size(); }
+
+uint8_t* bytes_of(const at::Tensor& tensor) { return static_cast<uint8_t*>(tensor.data_ptr()); }
+
+void allgather_bytes(const std::shared_ptr<gloo::Context>& context, const at::Tensor& input,
+                     const at::Tensor& output, uint32_t tag, milliseconds timeout) {
+  gloo::AllgatherOptions options(context);
+  options.setInput(bytes_of(input), nbytes(input));
+  options.setOutput(bytes_of(output), nbytes(output));
+  options.setTag(tag);
+  options.setTimeout(timeout);
+  LOOM_GLOO_CHECK(gloo::allgather(options));
+}
+
+std::string rank_list(const std::vector<int>& ranks, const char* separator) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    out += (i == 0 ? "" : separator) + std::to_string(ranks[i]);
+  }
+  return out;
+}
+
+// --- bootstrap -----------------------------------------------------------------------------
+
+std::shared_ptr<gloo::transport::Device> make_device(const GlooOptions& options) {
+  gloo::transport::tcp::attr attr;
+  if (options.interface.empty()) {
+    attr.hostname = options.hostname;
+  } else {
+    attr.iface = options.interface;
+  }
+  std::shared_ptr<gloo::transport::Device> device;
+  try {
+    LOOM_GLOO_CHECK(device = gloo::transport::tcp::CreateDevice(attr));
+  } catch (const CommError& e) {
+    throw CommError(detail::concat("gloo group '", options.name, "': creating the TCP device on ",
+                                   options.interface.empty() ? "host '" : "interface '",
+                                   options.interface.empty() ? options.hostname : options.interface,
+                                   "' failed: ", e.what()));
+  }
+  return device;
+}
+
+// Connects `size` ranks in a full mesh; the addresses travel through `store` under `prefix`.
+std::shared_ptr<GlooContext> connect_full_mesh(Store& store, const std::string& prefix, int rank,
+                                               int size,
+                                               std::shared_ptr<gloo::transport::Device> device,
+                                               milliseconds timeout,
+                                               const std::string& description) {
+  PrefixStore scoped(prefix, store);
+  StoreAdapter adapter(scoped, timeout);
+  auto context = std::make_shared<GlooContext>(rank, size);
+  context->setTimeout(timeout);
+  try {
+    LOOM_GLOO_CHECK(context->connectFullMesh(adapter, device));
+  } catch (const Timeout& e) {
+    // gloo publishes each rank's addresses under the key "<rank>".
+    std::vector<int> missing;
+    for (int r = 0; r < size; ++r) {
+      if (r != rank && !scoped.check({std::to_string(r)})) missing.push_back(r);
+    }
+    throw Timeout(detail::concat(
+        "connecting gloo group ", description, ": rank(s) [", rank_list(missing, ", "),
+        "] did not publish their address (store keys '", prefix, "/<rank>') within ",
+        timeout.count(), " ms; start every rank with the same group name and world size (",
+        e.what(), ")"));
+  } catch (const CommError& e) {
+    throw CommError(detail::concat("connecting gloo group ", description, ": ", e.what()));
+  }
+  return context;
+}
+
+// --- the group -------------------------------------------------------------------------------
+
+// What outlives the group for the sake of Work handles (their timeout hook holds a weak_ptr).
+struct GroupState {
+  GroupState(int rank_, int size_, std::string name_, std::filesystem::path dump_dir_,
+             size_t capacity)
+      : rank(rank_),
+        size(size_),
+        name(std::move(name_)),
+        dump_dir(std::move(dump_dir_)),
+        description(detail::concat("'", name, "' (rank ", rank, " of ", size, ")")),
+        recorder(capacity) {}
+
+  // Keeps the first reason (the group fails every later op with it); true for that first call.
+  bool mark_broken(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!broken.empty()) return false;
+    broken = why;
+    return true;
+  }
+  std::string broken_reason() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return broken;
+  }
+  // Writes <dump_dir>/rank_<rank>.json; returns a sentence for error messages ("" without a
+  // dump directory). Never throws: it runs while another error is being reported.
+  std::string dump_flight() const noexcept {
+    if (dump_dir.empty()) return "";
+    const std::filesystem::path file = dump_dir / detail::concat("rank_", rank, ".json");
+    try {
+      recorder.dump(file, rank, name);
+      return detail::concat("Flight recorder dumped to ", file.string(), ".");
+    } catch (const std::exception& e) {
+      return detail::concat("Writing the flight recorder dump ", file.string(),
+                            " failed: ", e.what());
+    }
+  }
+
+  // Constant after construction.
+  const int rank;
+  const int size;
+  const std::string name;
+  const std::filesystem::path dump_dir;
+  const std::string description;  // "'world' (rank 1 of 4)"
+  FlightRecorder recorder;        // thread-safe on its own
+
+  // State below is protected by mutex.
+  mutable std::mutex mutex;
+  std::string broken;  // why the group is unusable; empty while it is healthy
+};
+
+// Thread safety: the public methods are called from one user thread at a time (Group's
+// contract); the worker and p2p threads share state with it only as declared below.
+class GlooGroup final : public Group {
+ public:
+  // Connects the group; blocks up to options.connect_timeout. `store` must outlive the group.
+  GlooGroup(Store& store, std::string store_prefix, int rank, int size, GlooOptions options,
+            std::shared_ptr<gloo::transport::Device> device);
+  ~GlooGroup() override;
+  GlooGroup(const GlooGroup&) = delete;
+  GlooGroup& operator=(const GlooGroup&) = delete;
+
+  int rank() const override { return state_->rank; }
+  int size() const override { return state_->size; }
+  const std::string& name() const override { return state_->name; }
+
+  WorkPtr all_reduce(at::Tensor& tensor, const AllReduceOptions& options) override;
+  WorkPtr all_reduce_coalesced(std::vector<at::Tensor>& tensors,
+                               const AllReduceOptions& options) override;
+  WorkPtr reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                         const ReduceScatterOptions& options) override;
+  WorkPtr all_gather(at::Tensor& output, const at::Tensor& input,
+                     const AllGatherOptions& options) override;
+  WorkPtr all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                     const AllGatherOptions& options) override;
+  WorkPtr broadcast(at::Tensor& tensor, const BroadcastOptions& options) override;
+  WorkPtr barrier(const BarrierOptions& options) override;
+  WorkPtr send(const at::Tensor& tensor, int dst, const SendRecvOptions& options) override;
+  WorkPtr recv(at::Tensor& tensor, int src, const SendRecvOptions& options) override;
+  std::unique_ptr<Group> new_subgroup(const std::vector<int>& ranks) override;
+  const FlightRecorder& flight_recorder() const override { return state_->recorder; }
+
+ private:
+  // A send or recv posted by the worker, waited for by the p2p thread.
+  struct Transfer {
+    std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
+    at::Tensor tensor;  // keeps the memory alive while the transfer is pending
+    bool is_send = false;
+    Clock::time_point deadline;
+  };
+  struct Op {
+    std::shared_ptr<WorkImpl> work;
+    std::string label;   // "all_reduce #3 (float32, 7 elements)" for messages
+    bool empty = false;  // numel 0: completes without touching the network
+    // Collectives: runs to completion on the worker thread, given the op's gloo tag.
+    std::function<void(uint32_t tag)> run;
+    // Send/recv: posts the transfer on the worker thread; the p2p thread waits for it.
+    std::function<Transfer()> post;
+  };
+  struct PendingTransfer {
+    Op op;
+    Transfer transfer;
+  };
+
+  // Records the op (dtype "" and numel 0 for barrier) and queues it for the worker.
+  WorkPtr enqueue(const char* op, const std::string& dtype, int64_t numel, std::vector<int> peers,
+                  milliseconds timeout, Op body);
+  WorkPtr enqueue(const char* op, const at::Tensor& tensor, std::vector<int> peers,
+                  milliseconds timeout, Op body) {
+    return enqueue(op, internal::dtype_name(tensor.scalar_type()), tensor.numel(), std::move(peers),
+                   timeout, std::move(body));
+  }
+  void worker_loop();
+  void p2p_loop();
+  void run_op(Op& op);
+  void finish(Op& op, std::exception_ptr error);
+  void fail(Op& op, const std::string& why);
+  WorkPtr post_transfer(const char* op, const at::Tensor& tensor, int peer,
+                        const SendRecvOptions& options, bool is_send);
+
+  // Constant after construction.
+  Store& store_;  // subgroups bootstrap through it
+  const std::string store_prefix_;
+  const GlooOptions options_;
+  const std::shared_ptr<GroupState> state_;
+  const std::shared_ptr<gloo::transport::Device> device_;
+  const std::shared_ptr<GlooContext> context_;  // used by the worker and p2p threads only
+
+  // State below is protected by mutex_. work_ready_ is notified when queue_ grows or stopping_
+  // is set; transfer_ready_ when transfers_ grows or p2p_stopping_ is set.
+  std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable transfer_ready_;
+  std::deque<Op> queue_;
+  std::deque<PendingTransfer> transfers_;
+  gloo::transport::UnboundBuffer* waiting_on_ = nullptr;  // the transfer p2p_thread_ waits for
+  bool stopping_ = false;      // the destructor runs: fail what has not started
+  bool p2p_stopping_ = false;  // the worker has exited: the p2p thread may exit when idle
+
+  std::thread worker_;      // runs worker_loop; started last, joined by the destructor
+  std::thread p2p_thread_;  // runs p2p_loop
+};
+
+GlooGroup::GlooGroup(Store& store, std::string store_prefix, int rank, int size,
+                     GlooOptions options, std::shared_ptr<gloo::transport::Device> device)
+    : store_(store),
+      store_prefix_(std::move(store_prefix)),
+      options_(std::move(options)),
+      state_(std::make_shared<GroupState>(rank, size, options_.name, options_.flight_dump_dir,
+                                          options_.flight_capacity)),
+      device_(std::move(device)),
+      context_(connect_full_mesh(store_, store_prefix_, rank, size, device_,
+                                 options_.connect_timeout, state_->description)),
+      worker_([this] { worker_loop(); }),
+      p2p_thread_([this] { p2p_loop(); }) {}
+
+GlooGroup::~GlooGroup() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+    if (waiting_on_ != nullptr) {
+      waiting_on_->abortWaitSend();
+      waiting_on_->abortWaitRecv();
+    }
+  }
+  work_ready_.notify_all();
+  transfer_ready_.notify_all();
+  // A collective in flight ends when its peers close their connections or its timeout passes.
+  worker_.join();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    p2p_stopping_ = true;
+  }
+  transfer_ready_.notify_all();
+  p2p_thread_.join();
+}
+
+WorkPtr GlooGroup::enqueue(const char* op, const std::string& dtype, int64_t numel,
+                           std::vector<int> peers, milliseconds timeout, Op body) {
+  std::string label_peers = peers.empty() ? "" : ", peer rank " + rank_list(peers, ", ");
+  const uint64_t sequence = state_->recorder.enqueue(op, dtype, numel, std::move(peers));
+  body.label =
+      detail::concat(op, " #", sequence, " (",
+                     dtype.empty() ? "no data" : detail::concat(dtype, ", ", numel, " elements"),
+                     label_peers, ")");
+  std::weak_ptr<GroupState> weak_state = state_;
+  body.work = std::make_shared<WorkImpl>(
+      op, sequence, state_->description, timeout, [weak_state](const WorkImpl& work) {
+        const std::shared_ptr<GroupState> state = weak_state.lock();
+        if (!state) return std::string();
+        // Dumped on every timed-out wait: the state may have moved on since the last dump.
+        state->mark_broken(
+            detail::concat("a wait on ", work.op(), " #", work.sequence(), " timed out"));
+        return state->dump_flight();
+      });
+  WorkPtr work = body.work;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(body));
+  }
+  work_ready_.notify_one();
+  return work;
+}
+
+void GlooGroup::worker_loop() {
+  for (;;) {
+    Op op;
+    bool destroyed = false;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      op = std::move(queue_.front());
+      queue_.pop_front();
+      destroyed = stopping_;
+    }
+    if (destroyed) {
+      fail(op, "the group was destroyed before the op ran");
+    } else {
+      run_op(op);
+    }
+  }
+}
+
+void GlooGroup::run_op(Op& op) {
+  const uint64_t sequence = op.work->sequence();
+  state_->recorder.start(sequence);
+  const std::string broken = state_->broken_reason();
+  if (!broken.empty()) {
+    fail(op, detail::concat("not run because the group is broken: ", broken));
+    return;
+  }
+  try {
+    if (op.empty) {
+      finish(op, nullptr);
+    } else if (op.post) {
+      Transfer transfer = op.post();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        transfers_.push_back(PendingTransfer{std::move(op), std::move(transfer)});
+      }
+      transfer_ready_.notify_one();
+    } else {
+      op.run(static_cast<uint32_t>(sequence));  // the same on every rank that is in step
+      finish(op, nullptr);
+    }
+  } catch (const std::exception& e) {
+    fail(op, e.what());
+  }
+}
+
+void GlooGroup::p2p_loop() {
+  for (;;) {
+    PendingTransfer pending;
+    bool destroyed = false;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      transfer_ready_.wait(lock, [this] { return p2p_stopping_ || !transfers_.empty(); });
+      if (transfers_.empty()) return;
+      pending = std::move(transfers_.front());
+      transfers_.pop_front();
+      destroyed = stopping_;
+      if (!destroyed) waiting_on_ = pending.transfer.buffer.get();
+    }
+    if (destroyed) {
+      fail(pending.op, "the group was destroyed while the transfer was pending");
+      continue;
+    }
+    std::string error;
+    try {
+      const Transfer& transfer = pending.transfer;
+      const milliseconds left =
+          std::max(milliseconds{1},
+                   std::chrono::duration_cast<milliseconds>(transfer.deadline - Clock::now()));
+      bool done = false;
+      LOOM_GLOO_CHECK(done = transfer.is_send ? transfer.buffer->waitSend(left)
+                                              : transfer.buffer->waitRecv(left));
+      if (!done) error = "the group was destroyed while the transfer was pending";
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      waiting_on_ = nullptr;
+    }
+    if (error.empty()) {
+      finish(pending.op, nullptr);
+    } else {
+      fail(pending.op, error);
+    }
+  }
+}
+
+void GlooGroup::finish(Op& op, std::exception_ptr error) {
+  state_->recorder.finish(op.work->sequence(), error ? OpState::kFailed : OpState::kCompleted);
+  op.work->complete(std::move(error));
+}
+
+void GlooGroup::fail(Op& op, const std::string& why) {
+  // The first failure dumps the flight recorder; later ones only repeat why.
+  const bool first = state_->mark_broken(detail::concat(op.label, " failed: ", why));
+  const std::string note = first ? state_->dump_flight() : "";
+  finish(op,
+         std::make_exception_ptr(CommError(detail::concat(
+             op.label, " of gloo group ", state_->description, " failed: ", why,
+             ". The group is unusable; destroy and rebuild it.", note.empty() ? "" : " ", note))));
+}
+
+// --- the ops -------------------------------------------------------------------------------
+
+WorkPtr GlooGroup::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
+  internal::check_tensor("all_reduce", "tensor", tensor);
+  internal::check_reduce_op("all_reduce", options.op, tensor.scalar_type());
+  Op body;
+  body.empty = tensor.numel() == 0;
+  body.run = [context = context_, tensor, op = options.op, timeout = options.timeout](
+                 uint32_t tag) { allreduce_tensor(context, tensor, op, tag, timeout); };
+  return enqueue("all_reduce", tensor, {}, options.timeout, std::move(body));
+}
+
+WorkPtr GlooGroup::all_reduce_coalesced(std::vector<at::Tensor>& tensors,
+                                        const AllReduceOptions& options) {
+  LOOM_CHECK(!tensors.empty(), InvalidArgument,
+             "all_reduce_coalesced: tensors is empty; expected at least one tensor");
+  internal::check_same_dtype_list("all_reduce_coalesced", tensors);
+  internal::check_reduce_op("all_reduce_coalesced", options.op, tensors[0].scalar_type());
+  int64_t total = 0;
+  for (const at::Tensor& tensor : tensors) total += tensor.numel();
+  Op body;
+  body.empty = total == 0;
+  body.run = [context = context_, tensors, op = options.op,
+              timeout = options.timeout](uint32_t tag) {
+    // One flat copy, one all-reduce, one copy back: fewer, larger messages than one op each.
+    std::vector<at::Tensor> flat_views;
+    for (const at::Tensor& tensor : tensors) flat_views.push_back(tensor.view(-1));
+    const at::Tensor flat = at::cat(flat_views);
+    allreduce_tensor(context, flat, op, tag, timeout);
+    int64_t offset = 0;
+    for (const at::Tensor& tensor : tensors) {
+      tensor.view(-1).copy_(flat.narrow(0, offset, tensor.numel()));
+      offset += tensor.numel();
+    }
+  };
+  // The flight recorder describes the flat buffer.
+  return enqueue("all_reduce_coalesced", internal::dtype_name(tensors[0].scalar_type()), total, {},
+                 options.timeout, std::move(body));
+}
+
+WorkPtr GlooGroup::reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                                  const ReduceScatterOptions& options) {
+  internal::check_tensor("reduce_scatter", "input", input);
+  internal::check_tensor("reduce_scatter", "output", output);
+  internal::check_same_dtype("reduce_scatter", "output", output, "input", input);
+  internal::check_reduce_op("reduce_scatter", options.op, input.scalar_type());
+  const ShardRange shard = shard_range(input.numel(), size(), rank());
+  internal::check_numel("reduce_scatter", "output", output, shard.size());
+  Op body;
+  body.empty = input.numel() == 0;
+  // Gloo has no reduce-scatter for uneven chunks, so this all-reduces a copy of the input and
+  // keeps this rank's shard: about twice the traffic of a ring reduce-scatter, and one extra
+  // input-sized temporary. Correct for every size; a native one is a later optimisation.
+  body.run = [context = context_, output, input, shard, op = options.op,
+              timeout = options.timeout](uint32_t tag) {
+    const at::Tensor reduced = input.clone();
+    allreduce_tensor(context, reduced, op, tag, timeout);
+    output.view(-1).copy_(reduced.view(-1).narrow(0, shard.begin, shard.size()));
+  };
+  return enqueue("reduce_scatter", input, {}, options.timeout, std::move(body));
+}
+
+WorkPtr GlooGroup::all_gather(at::Tensor& output, const at::Tensor& input,
+                              const AllGatherOptions& options) {
+  internal::check_tensor("all_gather", "input", input);
+  internal::check_tensor("all_gather", "output", output);
+  internal::check_same_dtype("all_gather", "output", output, "input", input);
+  internal::check_numel("all_gather", "output", output, input.numel() * size());
+  Op body;
+  body.empty = input.numel() == 0;
+  body.run = [context = context_, output, input, timeout = options.timeout](uint32_t tag) {
+    allgather_bytes(context, input, output, tag, timeout);
+  };
+  return enqueue("all_gather", input, {}, options.timeout, std::move(body));
+}
+
+WorkPtr GlooGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                              const AllGatherOptions& options) {
+  internal::check_tensor("all_gather", "input", input);
+  LOOM_CHECK(static_cast<int>(outputs.size()) == size(), InvalidArgument,
+             "all_gather: outputs has ", outputs.size(), " tensors; expected one per rank (",
+             size(), ")");
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    const std::string what = detail::concat("outputs[", r, "]");
+    internal::check_tensor("all_gather", what.c_str(), outputs[r]);
+    internal::check_same_dtype("all_gather", what.c_str(), outputs[r], "input", input);
+    internal::check_numel("all_gather", what.c_str(), outputs[r], input.numel());
+  }
+  Op body;
+  body.empty = input.numel() == 0;
+  body.run = [context = context_, outputs, input, timeout = options.timeout](uint32_t tag) {
+    const int64_t n = input.numel();
+    const at::Tensor gathered =
+        at::empty({n * static_cast<int64_t>(outputs.size())}, input.options());
+    allgather_bytes(context, input, gathered, tag, timeout);
+    for (size_t r = 0; r < outputs.size(); ++r) {
+      outputs[r].view(-1).copy_(gathered.narrow(0, static_cast<int64_t>(r) * n, n));
+    }
+  };
+  return enqueue("all_gather", input, {}, options.timeout, std::move(body));
+}
+
+WorkPtr GlooGroup::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
+  internal::check_tensor("broadcast", "tensor", tensor);
+  internal::check_rank("broadcast", "root", options.root, size());
+  Op body;
+  body.empty = tensor.numel() == 0;
+  body.run = [context = context_, tensor, root = options.root,
+              timeout = options.timeout](uint32_t tag) {
+    gloo::BroadcastOptions gloo_options(context);
+    gloo_options.setOutput(bytes_of(tensor), nbytes(tensor));
+    gloo_options.setRoot(root);
+    gloo_options.setTag(tag);
+    gloo_options.setTimeout(timeout);
+    LOOM_GLOO_CHECK(gloo::broadcast(gloo_options));
+  };
+  return enqueue("broadcast", tensor, {options.root}, options.timeout, std::move(body));
+}
+
+WorkPtr GlooGroup::barrier(const BarrierOptions& options) {
+  Op body;
+  body.run = [context = context_, timeout = options.timeout](uint32_t tag) {
+    gloo::BarrierOptions gloo_options(context);
+    gloo_options.setTag(tag);
+    gloo_options.setTimeout(timeout);
+    LOOM_GLOO_CHECK(gloo::barrier(gloo_options));
+  };
+  return enqueue("barrier", "", 0, {}, options.timeout, std::move(body));
+}
+
+WorkPtr GlooGroup::post_transfer(const char* op, const at::Tensor& tensor, int peer,
+                                 const SendRecvOptions& options, bool is_send) {
+  internal::check_tensor(op, "tensor", tensor);
+  internal::check_rank(op, is_send ? "dst" : "src", peer, size());
+  LOOM_CHECK(peer != rank(), InvalidArgument, op, ": ", is_send ? "dst" : "src", " ", peer,
+             " is this rank; send and recv need another rank of the group");
+  LOOM_CHECK(options.tag >= 0, InvalidArgument, op, ": tag must be >= 0, got ", options.tag);
+  Op body;
+  body.empty = tensor.numel() == 0;
+  body.post = [context = context_, tensor, peer, is_send, timeout = options.timeout,
+               slot = kSendRecvSlotBase + static_cast<uint64_t>(options.tag)]() {
+    Transfer transfer;
+    transfer.tensor = tensor;
+    transfer.is_send = is_send;
+    transfer.deadline = Clock::now() + timeout;
+    LOOM_GLOO_CHECK(transfer.buffer =
+                        context->createUnboundBuffer(tensor.data_ptr(), nbytes(tensor)));
+    if (is_send) {
+      LOOM_GLOO_CHECK(transfer.buffer->send(peer, slot));
+    } else {
+      LOOM_GLOO_CHECK(transfer.buffer->recv(peer, slot));
+    }
+    return transfer;
+  };
+  return enqueue(op, tensor, {peer}, options.timeout, std::move(body));
+}
+
+WorkPtr GlooGroup::send(const at::Tensor& tensor, int dst, const SendRecvOptions& options) {
+  return post_transfer("send", tensor, dst, options, /*is_send=*/true);
+}
+
+WorkPtr GlooGroup::recv(at::Tensor& tensor, int src, const SendRecvOptions& options) {
+  return post_transfer("recv", tensor, src, options, /*is_send=*/false);
+}
+
+std::unique_ptr<Group> GlooGroup::new_subgroup(const std::vector<int>& ranks) {
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  const std::string listed = "[" + rank_list(sorted, ",") + "]";
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    internal::check_rank("new_subgroup", "listed rank", sorted[i], size());
+    LOOM_CHECK(i == 0 || sorted[i] != sorted[i - 1], InvalidArgument, "new_subgroup: rank ",
+               sorted[i], " is listed twice in ", listed);
+  }
+  const auto me = std::find(sorted.begin(), sorted.end(), rank());
+  LOOM_CHECK(me != sorted.end(), InvalidArgument, "new_subgroup: this rank (", rank(),
+             ") is not among the listed ranks ", listed, "; only listed ranks may call it");
+
+  // Every member counts its own creations of this rank list, so repeated subgroups of the
+  // same ranks get fresh store keys without any coordination.
+  const std::string base = detail::concat(store_prefix_, "/sub", listed);
+  const int64_t generation = store_.add(detail::concat(base, "/creations/rank", rank()), 1);
+  GlooOptions options = options_;
+  options.name = detail::concat(name(), "/sub", listed);
+  if (!options.flight_dump_dir.empty()) {
+    options.flight_dump_dir /= "sub_" + rank_list(sorted, "_");
+  }
+  return std::make_unique<GlooGroup>(store_, detail::concat(base, "#", generation),
+                                     static_cast<int>(me - sorted.begin()),
+                                     static_cast<int>(sorted.size()), std::move(options), device_);
+}
+
+}  // namespace
+
+std::unique_ptr<Group> new_gloo_group(Store& store, int rank, int size,
+                                      const GlooOptions& options) {
+  LOOM_CHECK(size > 0, InvalidArgument, "new_gloo_group: size must be positive, got ", size);
+  internal::check_rank("new_gloo_group", "rank", rank, size);
+  LOOM_CHECK(!options.name.empty(), InvalidArgument, "new_gloo_group: options.name is empty");
+  LOOM_CHECK(options.connect_timeout.count() > 0, InvalidArgument,
+             "new_gloo_group: connect_timeout must be positive, got ",
+             options.connect_timeout.count(), " ms");
+  // Each rank counts its own creations of a group name: repeated groups (tests, restarts in
+  // one process) get fresh store keys, and every rank derives the same prefix.
+  const std::string base = "gloo/" + options.name;
+  const int64_t generation = store.add(detail::concat(base, "/creations/rank", rank), 1);
+  return std::make_unique<GlooGroup>(store, detail::concat(base, "#", generation), rank, size,
+                                     options, make_device(options));
+}
+
+}  // namespace loom::comm

@@ -1,0 +1,227 @@
+// The Gloo backend with ranks as threads: every op x dtype x world size against the libtorch
+// reference, subgroups, ordering, argument checks, and the timeout and flight-dump paths.
+
+#include "loom/comm/gloo.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "harness/harness.h"
+#include "loom/comm/flight_recorder.h"
+#include "loom/error.h"
+#include "unit/comm/collective_reference.h"
+
+namespace loom::comm {
+namespace {
+
+using loom::testing::expect_all_ok;
+using loom::testing::Rank;
+using loom::testing::run_threads;
+using std::chrono::milliseconds;
+namespace ref = loom::testing::collectives;
+
+// Generous: a healthy op takes microseconds; this only bounds a broken test.
+constexpr milliseconds kOpTimeout{20000};
+
+GlooOptions quick_options(const std::string& name = "world") {
+  GlooOptions options;
+  options.name = name;
+  options.connect_timeout = std::chrono::seconds(20);
+  return options;
+}
+
+// Expects `call` to throw E with a message containing every one of `parts`.
+template <typename E, typename F>
+void expect_throw_naming(F&& call, const std::vector<std::string>& parts) {
+  try {
+    call();
+    ADD_FAILURE() << "expected an exception naming " << ::testing::PrintToString(parts);
+  } catch (const E& e) {
+    for (const std::string& part : parts) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
+          << "'" << part << "' missing from: " << e.what();
+    }
+  }
+}
+
+class GlooGroupWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(GlooGroupWorld, EveryOpAndDtypeMatchesReference) {
+  expect_all_ok(run_threads(GetParam(), [](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+    int salt = 0;
+    for (at::ScalarType dtype : ref::kAllDtypes) {
+      for (int64_t n : {0, 1, 7, 33}) ref::check_ops(*group, dtype, n, ++salt, kOpTimeout);
+    }
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Gloo, GlooGroupWorld, ::testing::Values(2, 3, 4));
+
+TEST(GlooGroup, LargeUnevenSumUsesManySegments) {
+  // 1000003 floats are 4 MB: several of gloo's 1 MB segments, and not divisible by 3.
+  expect_all_ok(run_threads(3, [](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+    const int64_t n = 1000003;
+    const std::vector<at::Tensor> inputs = ref::inputs_of_all_ranks(at::kFloat, n, r.world, 5);
+    const at::Tensor expected = ref::reference_reduce(inputs, ReduceOp::kSum);
+    at::Tensor tensor = inputs[r.rank].clone();
+    group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+    EXPECT_TRUE(tensor.equal(expected));
+
+    const ShardRange shard = shard_range(n, r.world, r.rank);
+    at::Tensor shard_out = at::empty({shard.size()}, at::kFloat);
+    group->reduce_scatter(shard_out, inputs[r.rank], {.timeout = kOpTimeout})->wait();
+    EXPECT_TRUE(shard_out.equal(expected.narrow(0, shard.begin, shard.size())));
+  }));
+}
+
+TEST(GlooGroup, OpsCompleteInIssueOrderWithConsecutiveSequences) {
+  expect_all_ok(run_threads(3, [](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+    std::vector<at::Tensor> tensors;
+    std::vector<WorkPtr> works;
+    for (int i = 0; i < 40; ++i) {
+      tensors.push_back(at::full({5}, r.rank + i, at::kLong));
+      works.push_back(group->all_reduce(tensors.back(), {.timeout = kOpTimeout}));
+    }
+    for (int i = 39; i >= 0; --i) {
+      works[i]->wait();
+      EXPECT_EQ(works[i]->sequence(), static_cast<uint64_t>(i + 1));
+      EXPECT_TRUE(tensors[i].equal(at::full({5}, 0 + 1 + 2 + 3 * i, at::kLong))) << i;
+    }
+    const std::vector<FlightEntry> entries = group->flight_recorder().snapshot();
+    ASSERT_EQ(entries.size(), 40u);
+    EXPECT_EQ(entries.back().op, "all_reduce");
+    EXPECT_EQ(entries.back().dtype, "int64");
+    EXPECT_EQ(entries.back().state, OpState::kCompleted);
+  }));
+}
+
+TEST(GlooGroup, SendRecvMatchByTagWhateverThePostingOrder) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+    if (r.rank == 0) {
+      const at::Tensor one = at::full({3}, 1.0f);
+      const at::Tensor two = at::full({1000}, 2.0f);
+      WorkPtr first = group->send(one, 1, {.tag = 1, .timeout = kOpTimeout});
+      WorkPtr second = group->send(two, 1, {.tag = 2, .timeout = kOpTimeout});
+      first->wait();
+      second->wait();
+    } else {
+      at::Tensor two = at::zeros({1000});
+      at::Tensor one = at::zeros({3});
+      WorkPtr second = group->recv(two, 0, {.tag = 2, .timeout = kOpTimeout});
+      WorkPtr first = group->recv(one, 0, {.tag = 1, .timeout = kOpTimeout});
+      second->wait();
+      first->wait();
+      EXPECT_TRUE(one.equal(at::full({3}, 1.0f)));
+      EXPECT_TRUE(two.equal(at::full({1000}, 2.0f)));
+    }
+    group->barrier({.timeout = kOpTimeout})->wait();
+  }));
+}
+
+TEST(GlooGroup, SubgroupsReduceIndependently) {
+  expect_all_ok(run_threads(4, [](Rank& r) {
+    auto world = new_gloo_group(r.store, r.rank, r.world, quick_options());
+    const std::vector<int> members = r.rank % 2 == 0 ? std::vector<int>{2, 0}  // any order
+                                                     : std::vector<int>{1, 3};
+    for (int generation = 0; generation < 2; ++generation) {  // a second one gets fresh keys
+      auto sub = world->new_subgroup(members);
+      EXPECT_EQ(sub->size(), 2);
+      EXPECT_EQ(sub->rank(), r.rank / 2);
+      EXPECT_EQ(sub->name(), r.rank % 2 == 0 ? "world/sub[0,2]" : "world/sub[1,3]");
+      at::Tensor tensor = at::full({4}, r.rank, at::kInt);
+      sub->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+      EXPECT_TRUE(tensor.equal(at::full({4}, r.rank % 2 == 0 ? 0 + 2 : 1 + 3, at::kInt)));
+    }
+    at::Tensor all = at::ones({2});
+    world->all_reduce(all, {.timeout = kOpTimeout})->wait();
+    EXPECT_TRUE(all.equal(at::full({2}, 4.0f)));
+  }));
+}
+
+TEST(GlooGroup, SameNameTwiceInOneStoreConnectsAfresh) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    for (int i = 0; i < 2; ++i) {
+      auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+      at::Tensor tensor = at::ones({3});
+      group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+      EXPECT_TRUE(tensor.equal(at::full({3}, 2.0f)));
+    }
+  }));
+}
+
+TEST(GlooGroup, BadArgumentsAreInvalidArgumentNamingOpDtypeAndShape) {
+  InMemoryStore store;
+  auto group = new_gloo_group(store, 0, 1, quick_options());
+  at::Tensor bools = at::zeros({2, 3}, at::kBool);
+  expect_throw_naming<InvalidArgument>([&] { group->all_reduce(bools); },
+                                       {"all_reduce", "Bool", "[2, 3]", "float32"});
+  at::Tensor strided = at::zeros({4, 4}).t();
+  expect_throw_naming<InvalidArgument>([&] { group->broadcast(strided); },
+                                       {"broadcast", "non-contiguous", "[4, 4]"});
+  at::Tensor ints = at::zeros({3}, at::kInt);
+  expect_throw_naming<InvalidArgument>([&] { group->all_reduce(ints, {.op = ReduceOp::kAvg}); },
+                                       {"all_reduce", "avg", "int32"});
+  std::vector<at::Tensor> mixed = {at::zeros({2}), at::zeros({2}, at::kDouble)};
+  expect_throw_naming<InvalidArgument>([&] { group->all_reduce_coalesced(mixed); },
+                                       {"all_reduce_coalesced", "tensors[1]", "float64"});
+  at::Tensor input = at::zeros({5});
+  at::Tensor wrong = at::zeros({4});
+  expect_throw_naming<InvalidArgument>([&] { group->all_gather(wrong, input); },
+                                       {"all_gather", "output", "4 elements", "expected 5"});
+  expect_throw_naming<InvalidArgument>([&] { group->reduce_scatter(wrong, input); },
+                                       {"reduce_scatter", "output", "expected 5"});
+  at::Tensor tensor = at::zeros({2});
+  expect_throw_naming<InvalidArgument>([&] { group->broadcast(tensor, {.root = 1}); },
+                                       {"broadcast", "root 1"});
+  expect_throw_naming<InvalidArgument>([&] { group->send(tensor, 0); }, {"send", "this rank"});
+  expect_throw_naming<InvalidArgument>([&] { group->new_subgroup({0, 0}); }, {"twice"});
+  // Nothing was enqueued: the next op is #1 and the group still works.
+  at::Tensor ok = at::full({2}, 3.0f);
+  WorkPtr work = group->all_reduce(ok, {.op = ReduceOp::kAvg});
+  work->wait();
+  EXPECT_EQ(work->sequence(), 1u);
+  EXPECT_TRUE(ok.equal(at::full({2}, 3.0f)));
+}
+
+TEST(GlooGroup, ConnectTimeoutNamesTheMissingRanks) {
+  InMemoryStore store;
+  GlooOptions options = quick_options("lonely");
+  options.connect_timeout = milliseconds(300);
+  expect_throw_naming<Timeout>([&] { new_gloo_group(store, 0, 3, options); },
+                               {"'lonely'", "rank(s) [1, 2]", "300 ms"});
+}
+
+TEST(GlooGroup, WaitTimeoutNamesOpDumpsFlightAndBreaksTheGroup) {
+  loom::testing::TempDir dumps("loom-flight");
+  expect_all_ok(run_threads(2, [&](Rank& r) {
+    GlooOptions options = quick_options();
+    options.flight_dump_dir = dumps.path();
+    auto group = new_gloo_group(r.store, r.rank, r.world, options);
+    at::Tensor tensor = at::ones({3});
+    group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();  // #1, both ranks
+    if (r.rank == 1) {
+      // Never issues #2; leaves once rank 0 has seen its timeout (closing the connection).
+      r.store.get("rank0_done", kOpTimeout);
+      return;
+    }
+    WorkPtr stuck = group->all_reduce(tensor, {.timeout = kOpTimeout});
+    expect_throw_naming<Timeout>([&] { stuck->wait(milliseconds(200)); },
+                                 {"all_reduce #2", "'world'", "200 ms"});
+    EXPECT_TRUE(std::filesystem::exists(dumps.path() / "rank_0.json"));
+    r.store.set("rank0_done", "1");
+    // The group is broken: the next op fails fast (once #2 has ended) and says why.
+    expect_throw_naming<CommError>([&] { group->barrier({.timeout = kOpTimeout})->wait(); },
+                                   {"barrier #3", "broken", "all_reduce #2 timed out"});
+  }));
+}
+
+}  // namespace
+}  // namespace loom::comm

@@ -1,0 +1,22 @@
+// The `loom` tool's subcommands. Each lives in its own file and registers itself on the app;
+// main.cpp parses the command line and runs the action the parsed subcommand selected.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace loom::cli {
+
+// The exit codes every subcommand follows.
+inline constexpr int kExitOk = 0;      // success; for a check, "nothing wrong found"
+inline constexpr int kExitFailed = 1;  // the command ran and found a problem, or failed
+inline constexpr int kExitBadInput =
+    2;  // bad arguments or unreadable input ("error: ..." on stderr)
+
+// What the parsed command line asked for; main runs it after parsing and exits with its code.
+using Action = std::function<int()>;
+
+// `loom flight ...`: read the collectives' flight-recorder dumps (flight.cpp).
+void register_flight(CLI::App& app, Action& action);
+
+}  // namespace loom::cli
