@@ -88,6 +88,23 @@ class StoreAdapter final : public gloo::rendezvous::Store {
   const milliseconds timeout_;
 };
 
+// The Gloo tag of a collective: a hash of its sequence number and its signature (op, dtype,
+// element count, root). Ranks in step compute the same tag. Ranks out of step (one skipped a
+// collective, or issued another op or size) use different tags, so their messages never meet:
+// the ops time out cleanly and the flight recorder names the divergence. With the sequence
+// number alone, mismatched messages would meet in one slot and Gloo's receive path would
+// abort the process ("op.preamble.length <= op.nbytes") on its own thread.
+uint32_t collective_tag(uint64_t sequence, const std::string& signature) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the signature, then SplitMix64
+  for (unsigned char c : signature) h = (h ^ c) * 1099511628211ull;
+  uint64_t z = h + 0x9E3779B97F4A7C15ull * (sequence + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  // Gloo builds a collective's slot as (its own prefix << 56) | tag, so any 32-bit tag stays
+  // clear of the send/recv slots (kSendRecvSlotBase).
+  return static_cast<uint32_t>(z ^ (z >> 31));
+}
+
 // --- typed gloo calls ------------------------------------------------------------------------
 
 template <typename T>
@@ -307,6 +324,7 @@ class GlooGroup final : public Group {
     std::shared_ptr<WorkImpl> work;
     std::string label;   // "all_reduce #3 (float32, 7 elements)" for messages
     bool empty = false;  // numel 0: completes without touching the network
+    uint32_t tag = 0;    // collective_tag(): the Gloo slot this op's messages use
     // Collectives: runs to completion on the worker thread, given the op's gloo tag.
     std::function<void(uint32_t tag)> run;
     // Send/recv: posts the transfer on the worker thread; the p2p thread waits for it.
@@ -393,7 +411,9 @@ GlooGroup::~GlooGroup() {
 WorkPtr GlooGroup::enqueue(const char* op, const std::string& dtype, int64_t numel,
                            std::vector<int> peers, milliseconds timeout, Op body) {
   std::string label_peers = peers.empty() ? "" : ", peer rank " + rank_list(peers, ", ");
+  const std::string signature = detail::concat(op, "|", dtype, "|", numel, "|", label_peers);
   const uint64_t sequence = state_->recorder.enqueue(op, dtype, numel, std::move(peers));
+  body.tag = collective_tag(sequence, signature);
   body.label =
       detail::concat(op, " #", sequence, " (",
                      dtype.empty() ? "no data" : detail::concat(dtype, ", ", numel, " elements"),
@@ -456,7 +476,7 @@ void GlooGroup::run_op(Op& op) {
       }
       transfer_ready_.notify_one();
     } else {
-      op.run(static_cast<uint32_t>(sequence));  // the same on every rank that is in step
+      op.run(op.tag);  // the same on every rank that is in step
       finish(op, nullptr);
     }
   } catch (const std::exception& e) {

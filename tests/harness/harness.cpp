@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "loom/error.h"
+#include "util/files.h"
 #include "util/subprocess.h"
 
 namespace loom::testing {
@@ -233,6 +234,18 @@ void expect_all_ok(const std::vector<RankOutcome>& outcomes) {
   for (const RankOutcome& outcome : outcomes) {
     if (!outcome.ok) ADD_FAILURE() << "rank " << outcome.rank << ": " << outcome.error;
   }
+}
+
+ProgramResult run_program(const std::vector<std::string>& argv,
+                          const std::filesystem::path& scratch_dir) {
+  std::filesystem::path out = scratch_dir / "program_output.txt";
+  std::filesystem::remove(out);
+  util::SubprocessOptions options;
+  options.argv = argv;
+  options.output = out;
+  util::ExitStatus status = util::Subprocess::spawn(options).wait();
+  return {status.code, status.signal,
+          std::filesystem::exists(out) ? util::read_file(out) : std::string()};
 }
 
 }  // namespace loom::testing

@@ -68,6 +68,16 @@ std::vector<RankOutcome> run_processes(int world, const RankFn& fn, const Proces
 // True in a child started by run_processes.
 bool in_child_process();
 
+// Runs a program to completion, capturing stdout and stderr together into
+// <scratch_dir>/program_output.txt, and returns how it ended and what it printed.
+struct ProgramResult {
+  int exit_code = -1;  // -1 when killed by a signal
+  int signal = 0;
+  std::string output;
+};
+ProgramResult run_program(const std::vector<std::string>& argv,
+                          const std::filesystem::path& scratch_dir);
+
 // Records one GoogleTest failure per failed rank, naming the rank and its error.
 void expect_all_ok(const std::vector<RankOutcome>& outcomes);
 

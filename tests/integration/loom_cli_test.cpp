@@ -10,19 +10,10 @@
 namespace loom {
 namespace {
 
-struct CliResult {
-  util::ExitStatus status;
-  std::string output;  // stdout and stderr together
-};
-
-CliResult run_loom(const testing::TempDir& dir, std::vector<std::string> args) {
+testing::ProgramResult run_loom(const testing::TempDir& dir, std::vector<std::string> args) {
   std::vector<std::string> argv = {LOOM_BINARY_DIR "/tools/loom/loom"};
   argv.insert(argv.end(), args.begin(), args.end());
-  std::filesystem::path out = dir / "out.txt";
-  std::filesystem::remove(out);
-  util::Subprocess child = util::Subprocess::spawn({.argv = argv, .env = {}, .output = out});
-  util::ExitStatus status = child.wait();
-  return {status, util::read_file(out)};
+  return testing::run_program(argv, dir.path());
 }
 
 bool contains(const std::string& text, const std::string& part) {
@@ -48,8 +39,8 @@ std::filesystem::path write_dumps(const testing::TempDir& dir, bool diverge) {
 TEST(LoomCli, FlightDiffOfAgreeingDumpsExitsZero) {
   testing::TempDir dir;
   std::filesystem::path flight = write_dumps(dir, false);
-  CliResult run = run_loom(dir, {"flight", "diff", flight.string()});
-  EXPECT_EQ(run.status.code, 0) << run.output;
+  testing::ProgramResult run = run_loom(dir, {"flight", "diff", flight.string()});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_TRUE(contains(
       run.output, "compared 2 flight dumps of group \"world\" (ranks 0, 1) in " + flight.string()))
       << run.output;
@@ -60,8 +51,8 @@ TEST(LoomCli, FlightDiffOfAgreeingDumpsExitsZero) {
 TEST(LoomCli, FlightDiffOfDivergedDumpsExitsOne) {
   testing::TempDir dir;
   std::filesystem::path flight = write_dumps(dir, true);
-  CliResult run = run_loom(dir, {"flight", "diff", flight.string()});
-  EXPECT_EQ(run.status.code, 1) << run.output;
+  testing::ProgramResult run = run_loom(dir, {"flight", "diff", flight.string()});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_TRUE(contains(run.output,
                        "DIVERGED: rank 1 never issued collective #7 (barrier); "
                        "its last op was #6 (all_reduce float32[1024], completed); rank 0 issued "
@@ -71,41 +62,42 @@ TEST(LoomCli, FlightDiffOfDivergedDumpsExitsOne) {
 
 TEST(LoomCli, FlightDiffOfBadInputExitsTwo) {
   testing::TempDir dir;
-  CliResult missing = run_loom(dir, {"flight", "diff", (dir / "no-such-dir").string()});
-  EXPECT_EQ(missing.status.code, 2) << missing.output;
+  testing::ProgramResult missing =
+      run_loom(dir, {"flight", "diff", (dir / "no-such-dir").string()});
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
   EXPECT_TRUE(contains(missing.output, "error: ")) << missing.output;
   EXPECT_TRUE(contains(missing.output, "no-such-dir")) << missing.output;
 
   std::filesystem::path flight = write_dumps(dir, false);
   util::write_file_atomic(flight / "rank_1.json", "{ not json");
-  CliResult malformed = run_loom(dir, {"flight", "diff", flight.string()});
-  EXPECT_EQ(malformed.status.code, 2) << malformed.output;
+  testing::ProgramResult malformed = run_loom(dir, {"flight", "diff", flight.string()});
+  EXPECT_EQ(malformed.exit_code, 2) << malformed.output;
   EXPECT_TRUE(contains(malformed.output, "error: malformed flight dump")) << malformed.output;
   EXPECT_TRUE(contains(malformed.output, "rank_1.json")) << malformed.output;
 
-  CliResult no_dir = run_loom(dir, {"flight", "diff"});
-  EXPECT_EQ(no_dir.status.code, 2) << no_dir.output;
+  testing::ProgramResult no_dir = run_loom(dir, {"flight", "diff"});
+  EXPECT_EQ(no_dir.exit_code, 2) << no_dir.output;
   EXPECT_TRUE(contains(no_dir.output, "error: ")) << no_dir.output;
 
-  CliResult unknown = run_loom(dir, {"fligth"});
-  EXPECT_EQ(unknown.status.code, 2) << unknown.output;
+  testing::ProgramResult unknown = run_loom(dir, {"fligth"});
+  EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
   EXPECT_TRUE(contains(unknown.output, "error: ")) << unknown.output;
 }
 
 TEST(LoomCli, HelpExplainsTheCommands) {
   testing::TempDir dir;
-  CliResult top = run_loom(dir, {"--help"});
-  EXPECT_EQ(top.status.code, 0) << top.output;
+  testing::ProgramResult top = run_loom(dir, {"--help"});
+  EXPECT_EQ(top.exit_code, 0) << top.output;
   EXPECT_TRUE(contains(top.output, "flight")) << top.output;
   EXPECT_TRUE(contains(top.output, "Exit codes")) << top.output;
 
-  CliResult flight = run_loom(dir, {"flight", "--help"});
-  EXPECT_EQ(flight.status.code, 0) << flight.output;
+  testing::ProgramResult flight = run_loom(dir, {"flight", "--help"});
+  EXPECT_EQ(flight.exit_code, 0) << flight.output;
   EXPECT_TRUE(contains(flight.output, "diff")) << flight.output;
   EXPECT_TRUE(contains(flight.output, "rank_<r>.json")) << flight.output;
 
-  CliResult diff = run_loom(dir, {"flight", "diff", "--help"});
-  EXPECT_EQ(diff.status.code, 0) << diff.output;
+  testing::ProgramResult diff = run_loom(dir, {"flight", "diff", "--help"});
+  EXPECT_EQ(diff.exit_code, 0) << diff.output;
   EXPECT_TRUE(contains(diff.output, "0 the ranks agree, 1 they diverged")) << diff.output;
 }
 
