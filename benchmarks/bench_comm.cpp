@@ -1,0 +1,263 @@
+// bench_comm: Loom's Gloo collectives beside libtorch's own c10d ProcessGroupGloo, measured in
+// the same run by the same processes (N ranks as processes on this machine, TCP over loopback),
+// in the style of nccl-tests: size, time, algorithm and bus bandwidth, and the ratio
+// c10d time / Loom time (above 1: Loom is faster). Both sit on the same libgloo, so the ratio
+// measures each one's own overhead.
+//
+//   bench_comm                       2 ranks, 8 B .. 256 MiB, all four ops, table
+//   bench_comm --ranks=4 --json      JSON rows
+#include <torch/torch.h>
+#include <CLI/CLI.hpp>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+
+#include "bench_report.h"
+#include "loom/comm/gloo.h"
+#include "loom/error.h"
+#include "util/subprocess.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Settings {
+  int ranks = 2;
+  int64_t min_bytes = 8;
+  int64_t max_bytes = int64_t{256} << 20;
+  int step = 4;  // size multiplier between cases
+  std::vector<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"};
+  double seconds = 0.15;  // target time per measured block
+  bool json = false;
+  // Worker mode (set by the parent when it re-executes itself).
+  int worker_rank = -1;
+  std::string store_dir;
+};
+
+// nccl-tests' bus-bandwidth factors: what each rank's link carries relative to the data size.
+double bus_factor(const std::string& op, int n) {
+  if (op == "all_reduce") return 2.0 * (n - 1) / n;
+  if (op == "broadcast") return 1.0;
+  return static_cast<double>(n - 1) / n;  // reduce_scatter, all_gather
+}
+
+// One op of one implementation on preallocated buffers; returns after completion.
+using OpFn = std::function<void()>;
+
+struct Buffers {
+  torch::Tensor full;                // the whole buffer: size bytes
+  torch::Tensor part;                // one rank's share: size / ranks bytes
+  std::vector<torch::Tensor> parts;  // ranks views of `full`
+};
+
+OpFn loom_op(loom::comm::Group& g, const std::string& op, Buffers& b) {
+  if (op == "all_reduce") return [&] { g.all_reduce(b.full)->wait(); };
+  if (op == "reduce_scatter") return [&] { g.reduce_scatter(b.part, b.full)->wait(); };
+  if (op == "all_gather") return [&] { g.all_gather(b.parts, b.part)->wait(); };
+  return [&] { g.broadcast(b.full)->wait(); };
+}
+
+OpFn c10d_op(c10d::ProcessGroupGloo& pg, const std::string& op, Buffers& b) {
+  if (op == "all_reduce") {
+    return [&] {
+      std::vector<torch::Tensor> t{b.full};
+      pg.allreduce(t)->wait();
+    };
+  }
+  if (op == "reduce_scatter") {
+    // libtorch 1.13's Gloo group has no reduce_scatter ("ProcessGroupGloo does not support
+    // reduce_scatter"): its users all-reduce a copy and keep their slice, as here.
+    return [&] {
+      std::vector<torch::Tensor> t{b.full.clone()};
+      pg.allreduce(t)->wait();
+      b.part.copy_(t[0].chunk(pg.getSize())[pg.getRank()]);
+    };
+  }
+  if (op == "all_gather") {
+    return [&] {
+      std::vector<std::vector<torch::Tensor>> out{b.parts};
+      std::vector<torch::Tensor> in{b.part};
+      pg.allgather(out, in)->wait();
+    };
+  }
+  return [&] {
+    std::vector<torch::Tensor> t{b.full};
+    pg.broadcast(t)->wait();
+  };
+}
+
+// Mean seconds per op over `iters` runs, after a barrier so that ranks start together.
+double time_block(loom::comm::Group& sync, const OpFn& fn, int iters) {
+  sync.barrier()->wait();
+  auto start = Clock::now();
+  for (int i = 0; i < iters; ++i) fn();
+  return std::chrono::duration<double>(Clock::now() - start).count() / iters;
+}
+
+// The same on every rank: derived from the size alone, so ranks agree without talking.
+int iterations_for(int64_t bytes, double seconds) {
+  double per_op_guess = 2e-3 + static_cast<double>(bytes) / 0.5e9;  // loopback Gloo, roughly
+  return std::clamp(static_cast<int>(seconds / per_op_guess), 3, 200);
+}
+
+void run_worker(const Settings& s) {
+  const int rank = s.worker_rank;
+  const int n = s.ranks;
+  torch::set_num_threads(1);
+  loom::comm::FileStore loom_store(std::filesystem::path(s.store_dir) / "loom");
+  auto group = loom::comm::new_gloo_group(loom_store, rank, n, {.name = "bench"});
+
+  auto c10d_store = c10::make_intrusive<c10d::FileStore>(s.store_dir + "/c10d", n);
+  auto options = c10d::ProcessGroupGloo::Options::create();
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  c10d::ProcessGroupGloo c10d_group(c10d_store, rank, n, options);
+
+  if (rank == 0 && !s.json) {
+    std::printf(
+        "bench_comm: %d ranks as processes, Gloo over loopback TCP, float32, "
+        "1 torch thread per rank\n",
+        n);
+    std::printf("%-15s %10s | %10s %9s %9s | %10s %9s | %6s\n", "op", "size", "loom us", "algbw",
+                "busbw", "c10d us", "busbw", "ratio");
+    std::printf("%-15s %10s | %10s %9s %9s | %10s %9s | %6s\n", "", "", "", "GB/s", "GB/s", "",
+                "GB/s", "c10d/loom");
+  }
+  std::vector<int64_t> sizes;  // min, min*step, ... below max, then max itself
+  for (int64_t bytes = s.min_bytes; bytes < s.max_bytes; bytes *= s.step) sizes.push_back(bytes);
+  sizes.push_back(s.max_bytes);
+  for (const std::string& op : s.ops) {
+    double log_ratio_sum = 0;  // over sizes >= 64 KiB, for the summary line
+    int large_cases = 0;
+    for (int64_t bytes : sizes) {
+      int64_t numel = std::max<int64_t>(n, bytes / 4 / n * n);  // divisible by the ranks
+      Buffers b;
+      b.full = torch::rand({numel});
+      b.part = torch::rand({numel / n});
+      b.parts = b.full.chunk(n);
+      OpFn loom_fn = loom_op(*group, op, b);
+      OpFn c10d_fn = c10d_op(c10d_group, op, b);
+      int iters = iterations_for(numel * 4, s.seconds);
+      loom_fn();  // warm-up: connections, allocations
+      c10d_fn();
+      double loom_s = 1e9, c10d_s = 1e9;
+      // Interleaved rounds, alternating which goes first; the best round of each counts.
+      for (int round = 0; round < 6; ++round) {
+        if (round % 2 == 0) loom_s = std::min(loom_s, time_block(*group, loom_fn, iters));
+        c10d_s = std::min(c10d_s, time_block(*group, c10d_fn, iters));
+        if (round % 2 == 1) loom_s = std::min(loom_s, time_block(*group, loom_fn, iters));
+      }
+      if (rank != 0) continue;
+      double size = static_cast<double>(numel * 4);
+      if (size >= 64 * 1024) {
+        log_ratio_sum += std::log(c10d_s / loom_s);
+        ++large_cases;
+      }
+      double loom_bus = size / loom_s / 1e9 * bus_factor(op, n);
+      double c10d_bus = size / c10d_s / 1e9 * bus_factor(op, n);
+      loom::bench::Row row{"comm",
+                           loom::detail::concat(op, "/", numel * 4, "B/", n, "ranks"),
+                           loom_s * 1e6,
+                           c10d_s * 1e6,
+                           op == "reduce_scatter"
+                               ? "c10d ProcessGroupGloo allreduce + slice (libtorch 1.13)"
+                               : "c10d ProcessGroupGloo (libtorch 1.13)",
+                           "us",
+                           c10d_s / loom_s,
+                           {{"bytes", size},
+                            {"ranks", n},
+                            {"busbw_loom_gbps", loom_bus},
+                            {"busbw_baseline_gbps", c10d_bus}}};
+      if (s.json) {
+        loom::bench::print_json(row);
+      } else {
+        std::printf("%-15s %10s | %10.1f %9.3f %9.3f | %10.1f %9.3f | %6.2f\n", op.c_str(),
+                    loom::bench::format_bytes(size).c_str(), loom_s * 1e6, size / loom_s / 1e9,
+                    loom_bus, c10d_s * 1e6, c10d_bus, row.ratio);
+        std::fflush(stdout);
+      }
+    }
+    if (rank == 0 && large_cases > 0) {
+      double geomean = std::exp(log_ratio_sum / large_cases);
+      if (s.json) {
+        loom::bench::print_json({"comm", loom::detail::concat(op, "/geomean>=64KiB/", n, "ranks"),
+                                 0, 0, "c10d ProcessGroupGloo (libtorch 1.13)", "ratio", geomean});
+      } else {
+        std::printf("%-15s %10s   geometric mean of c10d/loom over sizes >= 64 KiB: %.2f\n",
+                    op.c_str(), "", geomean);
+      }
+    }
+  }
+  group->barrier()->wait();
+}
+
+int run_parent(const Settings& s, const std::string& self) {
+  std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / loom::detail::concat("loom-bench-comm-", ::getpid());
+  std::filesystem::create_directories(dir);
+  std::vector<loom::util::Subprocess> children;
+  for (int r = 0; r < s.ranks; ++r) {
+    std::vector<std::string> argv = {self,
+                                     "--worker-rank=" + std::to_string(r),
+                                     "--store-dir=" + dir.string(),
+                                     "--ranks=" + std::to_string(s.ranks),
+                                     "--min-bytes=" + std::to_string(s.min_bytes),
+                                     "--max-bytes=" + std::to_string(s.max_bytes),
+                                     "--step=" + std::to_string(s.step),
+                                     "--seconds=" + std::to_string(s.seconds)};
+    std::string ops;
+    for (const auto& op : s.ops) ops += (ops.empty() ? "" : ",") + op;
+    argv.push_back("--ops=" + ops);
+    if (s.json) argv.push_back("--json");
+    loom::util::SubprocessOptions options{.argv = argv};
+    if (r != 0) options.output = dir / loom::detail::concat("rank_", r, ".log");
+    children.push_back(loom::util::Subprocess::spawn(options));
+  }
+  int status = 0;
+  for (int r = 0; r < s.ranks; ++r) {
+    loom::util::ExitStatus exit = children[r].wait();
+    if (!exit.ok()) {
+      std::cerr << "bench_comm: rank " << r << " " << exit.describe() << std::endl;
+      status = 1;
+    }
+  }
+  if (status == 0)
+    std::filesystem::remove_all(dir);
+  else
+    std::cerr << "bench_comm: rank logs kept in " << dir << std::endl;
+  return status;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{"bench_comm: Loom's Gloo collectives beside c10d ProcessGroupGloo"};
+  app.add_option("--ranks", s.ranks, "ranks (processes)")->check(CLI::Range(2, 64));
+  app.add_option("--min-bytes", s.min_bytes, "smallest buffer");
+  app.add_option("--max-bytes", s.max_bytes, "largest buffer");
+  app.add_option("--step", s.step, "size multiplier between cases")->check(CLI::Range(2, 64));
+  app.add_option("--ops", s.ops, "ops to measure")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "broadcast"}));
+  app.add_option("--seconds", s.seconds, "target seconds per measured block");
+  app.add_flag("--json", s.json, "print one JSON object per row");
+  app.add_option("--worker-rank", s.worker_rank, "internal: run as this rank")->group("");
+  app.add_option("--store-dir", s.store_dir, "internal: rendezvous directory")->group("");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (s.worker_rank >= 0) {
+      run_worker(s);
+      return 0;
+    }
+    return run_parent(s, "/proc/self/exe");
+  } catch (const std::exception& e) {
+    std::cerr << "bench_comm: error: " << e.what() << std::endl;
+    return 1;
+  }
+}
