@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "loom/comm/store.h"
 
 namespace loom::testing {
@@ -77,6 +79,19 @@ struct ProgramResult {
 };
 ProgramResult run_program(const std::vector<std::string>& argv,
                           const std::filesystem::path& scratch_dir);
+
+// The message of the exception `fn` throws, which must be of type E; a
+// GoogleTest failure when it throws nothing.
+template <typename E, typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return "";
+}
 
 // Records one GoogleTest failure per failed rank, naming the rank and its error.
 void expect_all_ok(const std::vector<RankOutcome>& outcomes);

@@ -2,6 +2,7 @@
 // error message, --help, positional arguments and the TOML/JSON renderings.
 
 #include "loom/config.h"
+#include "harness/harness.h"
 
 #include <stdlib.h>
 #include <unistd.h>
@@ -92,17 +93,7 @@ Config parse_args(const ConfigSchema& schema, std::vector<std::string> args) {
   return Config::from_args(schema, static_cast<int>(argv.size()), argv.data());
 }
 
-// The message of the exception `fn` throws, which must be of type E.
-template <typename E, typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
+using testing::error_of;
 
 Config load_file(const ConfigSchema& schema, const fs::path& file) {
   ConfigSources sources;

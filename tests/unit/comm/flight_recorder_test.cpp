@@ -41,17 +41,7 @@ void write(const std::filesystem::path& path, const std::string& text) {
   std::ofstream(path) << text;
 }
 
-// The message of the exception `fn` throws as E; fails when it throws nothing.
-template <typename E, typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
+using testing::error_of;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
