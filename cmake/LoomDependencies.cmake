@@ -9,6 +9,9 @@ find_package(tomlplusplus REQUIRED)
 find_package(ZLIB REQUIRED)
 find_package(Gloo REQUIRED)  # CPU collectives (libgloo-dev); target gloo
 find_package(CLI11 CONFIG REQUIRED)  # the loom tool and the benchmarks' command lines
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)  # checksums (libxxhash-dev)
+pkg_check_modules(SENTENCEPIECE REQUIRED IMPORTED_TARGET sentencepiece)  # tokenizer
 
 # Torch's flags (the C++11 ABI define) are already on the torch target; nothing global.
 

@@ -11,6 +11,8 @@ jobs=${LOOM_JOBS:-$(nproc)}
 export CCACHE_NOHASHDIR=true
 export CCACHE_BASEDIR=$PWD
 export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-10G}
+# Cache translation units that use the precompiled torch header too (ccache manual, "Precompiled headers").
+export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}
 
 start=$(date +%s)
 cmake -S . -B "$build_dir" -G Ninja "$@" > "$build_dir.configure.log" 2>&1 ||

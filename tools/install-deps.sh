@@ -15,6 +15,7 @@ packages=(
   libsentencepiece-dev sentencepiece
   libcpp-httplib-dev
   bible-kjv bible-kjv-text dataset-fashion-mnist
+  python3-torch python3-numpy
 )
 
 missing=()
