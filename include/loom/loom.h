@@ -3,6 +3,9 @@
 
 #include "loom/comm/store.h"
 #include "loom/config.h"
+#include "loom/data/dataset.h"
+#include "loom/data/reader.h"
+#include "loom/data/sampler.h"
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/runtime.h"

@@ -1,0 +1,98 @@
+// data::Reader: this rank's batches of a dataset on disk, in the global order of
+// GlobalSampler, as tensors ready for a model, prefetched by a background thread.
+//
+// Token datasets give "tokens" [B, T+1] int64 per batch: each sample is a window of T+1
+// tokens (inputs are [:, :T], targets [:, 1:]). Packed sampling cuts the concatenated token
+// stream into windows of T+1 tokens that overlap by one (sample i starts at token i*T);
+// document sampling gives document i, cut to T+1 tokens or filled with pad_id, and a "mask"
+// [B, T+1] bool that is true on real tokens.
+// Record datasets give each field collated over the batch: tensor fields [B, ...shape] in
+// their dtype, int fields [B] int64, float fields [B] float64; text and bytes fields as
+// strings. Every batch also says which samples it holds and how many are real (padding
+// appears only in the last batch of an epoch under EpochEnd::kPad).
+//
+// The dataset is never loaded into memory: shards are mmapped and each batch reads only its
+// samples. Record checksums are checked on every read.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/data/dataset.h"
+#include "loom/data/sampler.h"
+
+namespace loom::data {
+
+enum class TokenSampling {
+  kPacked,    // windows of seq_len + 1 tokens over the concatenated token stream
+  kDocument,  // one document per sample, cut or padded to seq_len + 1
+};
+
+struct ReaderOptions {
+  int64_t batch_size = 1;                     // samples per rank per step
+  int64_t seq_len = 0;                        // token datasets: T (samples hold T + 1 tokens)
+  TokenSampling sampling = TokenSampling::kPacked;
+  int64_t pad_id = 0;                         // kDocument: fills samples shorter than T + 1
+  uint64_t seed = 0;                          // keys the order; the same on every rank
+  int rank = 0;                               // this rank, in [0, world_size)
+  int world_size = 1;                         // ranks reading together
+  EpochEnd epoch_end = EpochEnd::kDropLast;   // what happens to an epoch's last partial batch
+  int prefetch = 2;                           // batches prepared ahead by a background thread; 0 = none
+  bool verify_hashes = false;                 // hash every shard at open (reads the whole dataset)
+};
+
+// One rank's samples for one step.
+struct Batch {
+  std::map<std::string, at::Tensor> tensors;               // see the file comment
+  std::map<std::string, std::vector<std::string>> strings;  // text and bytes fields
+  std::vector<uint64_t> indices;  // the dataset sample index of each row
+  int64_t num_real = 0;           // rows [0, num_real) are real; the rest are padding
+  uint64_t epoch = 0;             // the epoch these samples belong to
+  // The tensor named `name`; InvalidArgument naming the batch's tensors when absent.
+  const at::Tensor& operator[](const std::string& name) const;
+};
+
+// Opens a dataset and yields this rank's batches. Every rank opens the same dataset with the
+// same options except rank, and calls next() once per step.
+//
+// Thread safety: one consumer thread calls next(), state() and restore(); the prefetch thread
+// is internal. Errors: opening a missing dataset or shard is IoError; a truncated shard, a
+// header that does not match the manifest, or (with verify_hashes) a hash mismatch is
+// CorruptData naming the file; bad options are InvalidArgument. A record that fails its
+// checksum is CorruptData from the next() that would return it, naming shard and record.
+class Reader {
+ public:
+  Reader(const std::filesystem::path& dir, ReaderOptions options);
+  ~Reader();
+  Reader(const Reader&) = delete;
+  Reader& operator=(const Reader&) = delete;
+
+  // The next batch; advances the state by one global batch.
+  Batch next();
+
+  // The position after the last batch next() returned (prefetched batches not included).
+  // Save it with the checkpoint; it is the same on every rank.
+  SamplerState state() const;
+  // Continues exactly after `state`, at this reader's world size and batch size, whatever
+  // they were when it was saved. A state of another dataset version is InvalidArgument
+  // naming both versions unless options.allow_version_change. O(1): nothing is replayed.
+  void restore(const SamplerState& state, RestoreOptions options = {});
+
+  const Manifest& manifest() const;
+  const ReaderOptions& options() const;
+  uint64_t num_samples() const;      // samples per epoch (before the epoch-end policy)
+  uint64_t steps_per_epoch() const;  // from the start of an epoch
+  // Reads the samples `indices` directly (no prefetch, no state change): for tools and tests.
+  Batch read(const std::vector<uint64_t>& indices) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace loom::data

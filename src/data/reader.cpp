@@ -1,0 +1,365 @@
+// data::Reader: shards mapped once, batches gathered from the sampler's indices, a bounded
+// prefetch queue filled by one background thread.
+#include "loom/data/reader.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "data/shard_format.h"
+#include "loom/error.h"
+#include "util/hash.h"
+
+namespace loom::data {
+namespace {
+
+namespace fs = std::filesystem;
+
+at::ScalarType scalar_type(const std::string& dtype) {
+  static const std::map<std::string, at::ScalarType> types = {
+      {"uint8", at::kByte},      {"int8", at::kChar},       {"int16", at::kShort},
+      {"int32", at::kInt},       {"int64", at::kLong},      {"float16", at::kHalf},
+      {"bfloat16", at::kBFloat16}, {"float32", at::kFloat}, {"float64", at::kDouble},
+      {"bool", at::kBool}};
+  return types.at(dtype);
+}
+
+// Index of the shard holding global item `i`, given each shard's first item (begins[0] == 0).
+size_t shard_of(const std::vector<uint64_t>& begins, uint64_t i) {
+  return static_cast<size_t>(std::upper_bound(begins.begin(), begins.end(), i) - begins.begin()) - 1;
+}
+
+template <typename T>
+void widen(const uint8_t* src, size_t count, int64_t* out) {
+  const T* p = reinterpret_cast<const T*>(src);
+  for (size_t i = 0; i < count; ++i) out[i] = static_cast<int64_t>(p[i]);
+}
+
+// Everything a batch is read from; immutable after construction, so the prefetch thread and
+// read() may use it concurrently.
+class Source {
+ public:
+  Source(const fs::path& dir, const ReaderOptions& options)
+      : manifest_(read_manifest(dir)), options_(options) {
+    LOOM_CHECK(options.batch_size >= 1, InvalidArgument, "batch_size must be >= 1, got ",
+               options.batch_size);
+    uint64_t begin = 0, doc_begin = 0;
+    for (const ShardInfo& info : manifest_.shards) {
+      if (options.verify_hashes) check_hash(dir, info);
+      begins_.push_back(begin);
+      begin += info.items;
+      if (is_tokens()) {
+        doc_begins_.push_back(doc_begin);
+        doc_begin += info.documents;
+        tokens_.emplace_back(dir, info, format::token_bytes_for(manifest_.vocab_size));
+      } else {
+        records_.emplace_back(dir, info);
+      }
+    }
+    if (is_tokens()) {
+      LOOM_CHECK(options.seq_len >= 1, InvalidArgument,
+                 "seq_len must be >= 1 for a token dataset (", dir.string(), ")");
+      if (options.sampling == TokenSampling::kPacked) {
+        LOOM_CHECK(begin > static_cast<uint64_t>(options.seq_len), InvalidArgument, dir.string(),
+                   " holds ", begin, " tokens, fewer than seq_len + 1 = ", options.seq_len + 1);
+        num_samples_ = (begin - 1) / static_cast<uint64_t>(options.seq_len);
+      } else {
+        num_samples_ = doc_begin;
+      }
+    } else {
+      num_samples_ = begin;
+    }
+    LOOM_CHECK(num_samples_ >= 1, InvalidArgument, dir.string(), " holds no samples");
+  }
+
+  const Manifest& manifest() const { return manifest_; }
+  uint64_t num_samples() const { return num_samples_; }
+
+  Batch read(const std::vector<uint64_t>& indices) const {
+    Batch batch;
+    batch.indices = indices;
+    batch.num_real = static_cast<int64_t>(indices.size());
+    if (is_tokens()) {
+      read_tokens(indices, batch);
+    } else {
+      read_records(indices, batch);
+    }
+    return batch;
+  }
+
+ private:
+  bool is_tokens() const { return manifest_.kind == DatasetKind::kTokens; }
+
+  static void check_hash(const fs::path& dir, const ShardInfo& info) {
+    util::MappedFile file(dir / info.file);
+    const uint64_t hash = util::xxh64(file.data(), file.size());
+    LOOM_CHECK(hash == info.xxhash64, CorruptData, "shard ", file.path().string(),
+               " has xxHash64 ", util::hash_hex(hash), " but the manifest says ",
+               util::hash_hex(info.xxhash64), ": the file changed after the build; restore or rebuild it");
+  }
+
+  // Copies `count` tokens of the global stream from `offset` into out, across shards.
+  void copy_tokens(uint64_t offset, size_t count, int64_t* out) const {
+    while (count > 0) {
+      const size_t s = shard_of(begins_, offset);
+      const format::TokenShard& shard = tokens_[s];
+      const uint64_t local = offset - begins_[s];
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(count, shard.num_tokens() - local));
+      const uint8_t* src = shard.tokens() + local * shard.token_bytes();
+      if (shard.token_bytes() == 2) {
+        widen<uint16_t>(src, n, out);
+      } else {
+        widen<uint32_t>(src, n, out);
+      }
+      out += n;
+      offset += n;
+      count -= n;
+    }
+  }
+
+  void read_tokens(const std::vector<uint64_t>& indices, Batch& batch) const {
+    const int64_t rows = static_cast<int64_t>(indices.size());
+    const int64_t width = options_.seq_len + 1;
+    at::Tensor tokens = at::empty({rows, width}, at::kLong);
+    int64_t* out = tokens.data_ptr<int64_t>();
+    if (options_.sampling == TokenSampling::kPacked) {
+      for (int64_t r = 0; r < rows; ++r) {
+        copy_tokens(indices[r] * static_cast<uint64_t>(options_.seq_len), width, out + r * width);
+      }
+    } else {
+      at::Tensor mask = at::zeros({rows, width}, at::kBool);
+      bool* m = mask.data_ptr<bool>();
+      for (int64_t r = 0; r < rows; ++r) {
+        const size_t s = shard_of(doc_begins_, indices[r]);
+        const uint64_t d = indices[r] - doc_begins_[s];
+        const uint64_t begin = tokens_[s].doc_offset(d), end = tokens_[s].doc_offset(d + 1);
+        const int64_t n = std::min<int64_t>(width, static_cast<int64_t>(end - begin));
+        copy_tokens(begins_[s] + begin, static_cast<size_t>(n), out + r * width);
+        std::fill(out + r * width + n, out + (r + 1) * width, options_.pad_id);
+        std::fill(m + r * width, m + r * width + n, true);
+      }
+      batch.tensors["mask"] = mask;
+    }
+    batch.tensors["tokens"] = tokens;
+  }
+
+  void read_records(const std::vector<uint64_t>& indices, Batch& batch) const {
+    const auto& schema = manifest_.schema;
+    const int64_t rows = static_cast<int64_t>(indices.size());
+    std::vector<std::vector<format::FieldView>> views(indices.size());
+    for (size_t r = 0; r < indices.size(); ++r) {
+      const size_t s = shard_of(begins_, indices[r]);
+      const uint64_t local = indices[r] - begins_[s];
+      auto [p, n] = records_[s].payload(local);
+      const std::string bad = format::decode_record(schema, p, n, views[r]);
+      LOOM_CHECK(bad.empty(), CorruptData, "record ", local, " of shard ",
+                 records_[s].file().path().string(), " (byte offset ", records_[s].offset(local),
+                 ") is malformed: ", bad, "; run `loom data verify`");
+    }
+    for (size_t f = 0; f < schema.size(); ++f) {
+      const Field& field = schema[f];
+      switch (field.type) {
+        case FieldType::kInt:
+        case FieldType::kFloat: {
+          const bool is_int = field.type == FieldType::kInt;
+          at::Tensor t = at::empty({rows}, is_int ? at::kLong : at::kDouble);
+          for (int64_t r = 0; r < rows; ++r) {
+            if (is_int) t.data_ptr<int64_t>()[r] = views[r][f].integer;
+            else t.data_ptr<double>()[r] = views[r][f].real;
+          }
+          batch.tensors[field.name] = t;
+          break;
+        }
+        case FieldType::kText:
+        case FieldType::kBytes: {
+          auto& out = batch.strings[field.name];
+          for (int64_t r = 0; r < rows; ++r) {
+            out.emplace_back(reinterpret_cast<const char*>(views[r][f].data), views[r][f].size);
+          }
+          break;
+        }
+        case FieldType::kTensor: {
+          const std::vector<int64_t>& shape = views[0][f].shape;
+          std::vector<int64_t> full{rows};
+          full.insert(full.end(), shape.begin(), shape.end());
+          at::Tensor t = at::empty(full, scalar_type(field.dtype));
+          auto* out = static_cast<uint8_t*>(t.data_ptr());
+          const size_t row_bytes = views[0][f].size;
+          for (int64_t r = 0; r < rows; ++r) {
+            LOOM_CHECK(views[r][f].shape == shape, InvalidArgument, "tensor field '", field.name,
+                       "' has different shapes within one batch (samples ", indices[0], " and ",
+                       indices[r], "); only equal shapes can be stacked");
+            std::memcpy(out + r * row_bytes, views[r][f].data, row_bytes);
+          }
+          batch.tensors[field.name] = t;
+          break;
+        }
+      }
+    }
+  }
+
+  Manifest manifest_;
+  ReaderOptions options_;
+  std::vector<uint64_t> begins_;      // first global item (token or record) of each shard
+  std::vector<uint64_t> doc_begins_;  // token datasets: first global document of each shard
+  std::vector<format::TokenShard> tokens_;
+  std::vector<format::RecordShard> records_;
+  uint64_t num_samples_ = 0;
+};
+
+}  // namespace
+
+const at::Tensor& Batch::operator[](const std::string& name) const {
+  auto it = tensors.find(name);
+  if (it != tensors.end()) return it->second;
+  std::string known;
+  for (const auto& [key, value] : tensors) known += (known.empty() ? "" : ", ") + key;
+  throw InvalidArgument(detail::concat("the batch has no tensor '", name, "'; it has: ", known));
+}
+
+struct Reader::Impl {
+  // A prepared batch and the sampler state after it (or the error preparing it raised).
+  struct Item {
+    Batch batch;
+    SamplerState state;
+    std::exception_ptr error;
+  };
+
+  // Constant after construction.
+  ReaderOptions options;
+  Source source;
+
+  // Owned by the consumer thread.
+  SamplerState consumed;
+
+  // The sampler belongs to the prefetch thread while it runs, to the consumer otherwise.
+  GlobalSampler sampler;
+
+  // State below is protected by mutex.
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<Item> queue;
+  bool stop = false;
+  std::thread prefetcher;
+
+  Impl(const fs::path& dir, ReaderOptions opts)
+      : options(opts), source(dir, opts), sampler(sampler_options(opts, source)) {
+    LOOM_CHECK(options.prefetch >= 0, InvalidArgument, "prefetch must be >= 0, got ", options.prefetch);
+    consumed = sampler.state();
+  }
+
+  static SamplerOptions sampler_options(const ReaderOptions& o, const Source& source) {
+    SamplerOptions s;
+    s.num_samples = source.num_samples();
+    s.seed = o.seed;
+    s.per_rank_batch = static_cast<uint64_t>(o.batch_size);
+    s.rank = o.rank;
+    s.world_size = o.world_size;
+    s.epoch_end = o.epoch_end;
+    s.dataset_version = source.manifest().version;
+    return s;
+  }
+
+  Item produce() {
+    Item item;
+    try {
+      IndexBatch ib = sampler.next_batch();
+      item.batch = source.read(ib.indices);
+      item.batch.num_real = static_cast<int64_t>(ib.num_real);
+      item.batch.epoch = ib.epoch;
+      item.state = sampler.state();
+    } catch (...) {
+      item.error = std::current_exception();
+    }
+    return item;
+  }
+
+  void start() {
+    if (options.prefetch == 0 || prefetcher.joinable()) return;
+    stop = false;
+    prefetcher = std::thread([this] { prefetch_loop(); });
+  }
+
+  void halt() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stop = true;
+    }
+    changed.notify_all();
+    if (prefetcher.joinable()) prefetcher.join();
+    queue.clear();
+  }
+
+  void prefetch_loop() {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        changed.wait(lock, [&] { return stop || queue.size() < static_cast<size_t>(options.prefetch); });
+        if (stop) return;
+      }
+      Item item = produce();
+      const bool failed = item.error != nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        queue.push_back(std::move(item));
+      }
+      changed.notify_all();
+      if (failed) return;  // the consumer rethrows; restore() or a new reader starts over
+    }
+  }
+
+  Item take() {
+    if (options.prefetch == 0) return produce();
+    start();
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return !queue.empty(); });
+    Item item = std::move(queue.front());
+    queue.pop_front();
+    lock.unlock();
+    changed.notify_all();
+    return item;
+  }
+};
+
+Reader::Reader(const fs::path& dir, ReaderOptions options)
+    : impl_(std::make_unique<Impl>(dir, options)) {}
+
+Reader::~Reader() { impl_->halt(); }
+
+Batch Reader::next() {
+  Impl::Item item = impl_->take();
+  if (item.error) {
+    // The failed batch is not consumed: halt so a later next() retries it from `consumed`.
+    impl_->halt();
+    impl_->sampler.restore(impl_->consumed);
+    std::rethrow_exception(item.error);
+  }
+  impl_->consumed = item.state;
+  return std::move(item.batch);
+}
+
+SamplerState Reader::state() const { return impl_->consumed; }
+
+void Reader::restore(const SamplerState& state, RestoreOptions options) {
+  impl_->halt();
+  try {
+    impl_->sampler.restore(state, options);
+  } catch (...) {
+    impl_->sampler.restore(impl_->consumed);
+    throw;
+  }
+  impl_->consumed = impl_->sampler.state();
+}
+
+const Manifest& Reader::manifest() const { return impl_->source.manifest(); }
+const ReaderOptions& Reader::options() const { return impl_->options; }
+uint64_t Reader::num_samples() const { return impl_->source.num_samples(); }
+uint64_t Reader::steps_per_epoch() const { return impl_->sampler.steps_per_epoch(); }
+Batch Reader::read(const std::vector<uint64_t>& indices) const { return impl_->source.read(indices); }
+
+}  // namespace loom::data

@@ -1,0 +1,230 @@
+// Encoding and checked decoding of token and record shards.
+#include "data/shard_format.h"
+
+#include <map>
+
+#include "loom/error.h"
+#include "util/hash.h"
+
+namespace loom::data::format {
+namespace {
+
+uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename T>
+void append_pod(std::string& out, T value) {
+  out.append(reinterpret_cast<const char*>(&value), sizeof value);
+}
+
+// The mapped file at `info.file`, with the size the manifest promises.
+util::MappedFile open_checked(const std::filesystem::path& dir, const ShardInfo& info) {
+  const auto path = dir / info.file;
+  LOOM_CHECK(std::filesystem::exists(path), IoError, "shard ", path.string(),
+             " is listed in the manifest but missing; restore it or rebuild the dataset");
+  util::MappedFile file(path);
+  LOOM_CHECK(file.size() == info.bytes, CorruptData, "shard ", path.string(), " is ", file.size(),
+             " bytes but the manifest says ", info.bytes,
+             (file.size() < info.bytes ? " (truncated)" : " (replaced or appended to)"),
+             "; restore it or rebuild the dataset");
+  return file;
+}
+
+void check_magic(const util::MappedFile& file, const char (&magic)[8], uint32_t version,
+                 const char* kind) {
+  LOOM_CHECK(file.size() >= 64 && std::memcmp(file.data(), magic, 8) == 0, CorruptData,
+             file.path().string(), " is not a Loom ", kind, " shard (bad magic number)");
+  LOOM_CHECK(version == kShardVersion, CorruptData, file.path().string(), " has ", kind,
+             " shard format version ", version, "; this Loom reads version ", kShardVersion);
+}
+
+}  // namespace
+
+size_t dtype_size(const std::string& dtype) {
+  static const std::map<std::string, size_t> sizes = {
+      {"uint8", 1},   {"int8", 1},     {"int16", 2},    {"int32", 4},   {"int64", 8},
+      {"float16", 2}, {"bfloat16", 2}, {"float32", 4},  {"float64", 8}, {"bool", 1}};
+  auto it = sizes.find(dtype);
+  LOOM_CHECK(it != sizes.end(), InvalidArgument, "unknown tensor dtype '", dtype,
+             "'; use uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64 or bool");
+  return it->second;
+}
+
+const char* field_type_name(FieldType type) {
+  switch (type) {
+    case FieldType::kBytes: return "bytes";
+    case FieldType::kText: return "text";
+    case FieldType::kInt: return "int";
+    case FieldType::kFloat: return "float";
+    case FieldType::kTensor: return "tensor";
+  }
+  return "?";
+}
+
+FieldType parse_field_type(const std::string& name) {
+  for (FieldType t : {FieldType::kBytes, FieldType::kText, FieldType::kInt, FieldType::kFloat,
+                      FieldType::kTensor}) {
+    if (name == field_type_name(t)) return t;
+  }
+  throw CorruptData("unknown field type '" + name + "' in the manifest's schema");
+}
+
+void encode_record(const std::vector<Field>& schema, const Record& record, std::string& out) {
+  const auto& values = record.values();
+  LOOM_CHECK(values.size() == schema.size(), InvalidArgument, "record has ", values.size(),
+             " fields but the schema has ", schema.size());
+  for (size_t i = 0; i < schema.size(); ++i) {
+    const Field& field = schema[i];
+    const Record::Value& value = values[i];
+    LOOM_CHECK(value.type == field.type, InvalidArgument, "field '", field.name, "' is ",
+               field_type_name(field.type), " in the schema but the record gives ",
+               field_type_name(value.type));
+    switch (field.type) {
+      case FieldType::kInt: append_pod(out, value.integer); break;
+      case FieldType::kFloat: append_pod(out, value.real); break;
+      case FieldType::kBytes:
+      case FieldType::kText:
+        LOOM_CHECK(value.bytes.size() <= UINT32_MAX, InvalidArgument, "field '", field.name,
+                   "' holds ", value.bytes.size(), " bytes; at most 4 GiB per value");
+        append_pod(out, static_cast<uint32_t>(value.bytes.size()));
+        out += value.bytes;
+        break;
+      case FieldType::kTensor: {
+        int64_t numel = 1;
+        for (int64_t d : value.shape) numel *= d;
+        LOOM_CHECK(field.shape.empty() || field.shape == value.shape, InvalidArgument,
+                   "field '", field.name, "' has a fixed shape in the schema; the record's differs");
+        LOOM_CHECK(static_cast<size_t>(numel) * dtype_size(field.dtype) == value.bytes.size(),
+                   InvalidArgument, "field '", field.name, "': ", value.bytes.size(),
+                   " bytes do not hold ", numel, " ", field.dtype, " elements");
+        append_pod(out, static_cast<uint32_t>(value.shape.size()));
+        for (int64_t d : value.shape) append_pod(out, d);
+        out += value.bytes;
+        break;
+      }
+    }
+  }
+}
+
+std::string decode_record(const std::vector<Field>& schema, const uint8_t* payload, size_t size,
+                          std::vector<FieldView>& out) {
+  out.resize(schema.size());
+  size_t at = 0;
+  auto take = [&](size_t n) -> const uint8_t* {
+    if (n > size - at) return nullptr;
+    const uint8_t* p = payload + at;
+    at += n;
+    return p;
+  };
+  for (size_t i = 0; i < schema.size(); ++i) {
+    const Field& field = schema[i];
+    FieldView& view = out[i];
+    const uint8_t* p = nullptr;
+    switch (field.type) {
+      case FieldType::kInt:
+      case FieldType::kFloat:
+        if (!(p = take(8))) return "field '" + field.name + "' runs past the record";
+        if (field.type == FieldType::kInt) std::memcpy(&view.integer, p, 8);
+        else std::memcpy(&view.real, p, 8);
+        break;
+      case FieldType::kBytes:
+      case FieldType::kText: {
+        uint32_t n;
+        if (!(p = take(4))) return "field '" + field.name + "' runs past the record";
+        std::memcpy(&n, p, 4);
+        if (!(view.data = take(n))) return "field '" + field.name + "' runs past the record";
+        view.size = n;
+        break;
+      }
+      case FieldType::kTensor: {
+        uint32_t ndim;
+        if (!(p = take(4))) return "field '" + field.name + "' runs past the record";
+        std::memcpy(&ndim, p, 4);
+        if (ndim > 16 || !(p = take(8 * size_t{ndim}))) {
+          return "field '" + field.name + "' has a malformed shape";
+        }
+        view.shape.resize(ndim);
+        std::memcpy(view.shape.data(), p, 8 * size_t{ndim});
+        uint64_t numel = 1;
+        for (int64_t d : view.shape) {
+          if (d < 0 || d > (int64_t{1} << 40)) return "field '" + field.name + "' has a bad shape";
+          numel *= static_cast<uint64_t>(d);
+        }
+        view.size = numel * dtype_size(field.dtype);
+        if (!(view.data = take(view.size))) return "field '" + field.name + "' runs past the record";
+        break;
+      }
+    }
+  }
+  if (at != size) return "the record has " + std::to_string(size - at) + " bytes after its fields";
+  return "";
+}
+
+TokenShard::TokenShard(const std::filesystem::path& dir, const ShardInfo& info,
+                       uint32_t token_bytes)
+    : file_(open_checked(dir, info)) {
+  check_magic(file_, kTokenMagic, file_.size() >= 64 ? header().version : 0, "token");
+  const TokenHeader& h = header();
+  const std::string name = file_.path().string();
+  LOOM_CHECK(h.token_bytes == token_bytes, CorruptData, name, " stores ", h.token_bytes,
+             "-byte tokens; the manifest's vocabulary needs ", token_bytes);
+  LOOM_CHECK(h.num_tokens == info.items && h.num_documents == info.documents, CorruptData, name,
+             " holds ", h.num_tokens, " tokens in ", h.num_documents,
+             " documents; the manifest says ", info.items, " in ", info.documents);
+  const uint64_t index_end = h.index_offset + (h.num_documents + 1) * 8;
+  LOOM_CHECK(h.index_offset >= sizeof(TokenHeader) + h.num_tokens * h.token_bytes &&
+                 index_end == file_.size(),
+             CorruptData, name, ": its document index does not fit the file");
+  LOOM_CHECK(doc_offset(0) == 0 && doc_offset(h.num_documents) == h.num_tokens, CorruptData, name,
+             ": its document index does not span its tokens");
+}
+
+uint64_t TokenShard::doc_offset(uint64_t d) const {
+  return load_u64(file_.data() + header().index_offset + 8 * d);
+}
+
+RecordShard::RecordShard(const std::filesystem::path& dir, const ShardInfo& info)
+    : file_(open_checked(dir, info)) {
+  const auto* h = reinterpret_cast<const RecordHeader*>(file_.data());
+  check_magic(file_, kRecordMagic, file_.size() >= 64 ? h->version : 0, "record");
+  const std::string name = file_.path().string();
+  num_records_ = h->num_records;
+  index_offset_ = h->index_offset;
+  LOOM_CHECK(num_records_ == info.items, CorruptData, name, " holds ", num_records_,
+             " records; the manifest says ", info.items);
+  LOOM_CHECK(index_offset_ >= sizeof(RecordHeader) &&
+                 index_offset_ + (num_records_ + 1) * 8 == file_.size(),
+             CorruptData, name, ": its record index does not fit the file");
+  LOOM_CHECK(offset(0) == sizeof(RecordHeader) && offset(num_records_) == index_offset_,
+             CorruptData, name, ": its record index does not span its records");
+}
+
+uint64_t RecordShard::offset(uint64_t i) const {
+  return load_u64(file_.data() + index_offset_ + 8 * i);
+}
+
+std::string RecordShard::problem(uint64_t i) const {
+  const uint64_t begin = offset(i);
+  const uint64_t end = offset(i + 1);
+  if (begin < sizeof(RecordHeader) || end > index_offset_ || end < begin + 8) {
+    return "its index entry is corrupt";
+  }
+  const uint8_t* p = file_.data() + begin;
+  const size_t size = end - begin - 8;
+  if (util::xxh64(p, size) != load_u64(p + size)) return "it fails its checksum";
+  return "";
+}
+
+std::pair<const uint8_t*, size_t> RecordShard::payload(uint64_t i) const {
+  const std::string bad = problem(i);
+  LOOM_CHECK(bad.empty(), CorruptData, "record ", i, " of shard ", file_.path().string(),
+             " (byte offset ", offset(i), ") is corrupt: ", bad,
+             "; run `loom data verify` and restore or rebuild the dataset");
+  const uint64_t begin = offset(i);
+  return {file_.data() + begin, offset(i + 1) - begin - 8};
+}
+
+}  // namespace loom::data::format

@@ -1,0 +1,111 @@
+// The byte layout of token and record shards (docs/data-format.md) and the checks that
+// guard every read of them. Private to Loom: data::Reader, the writers and verify use it.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "loom/data/dataset.h"
+#include "util/mapped_file.h"
+
+namespace loom::data::format {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "shards are little-endian on disk");
+
+inline constexpr char kTokenMagic[8] = {'L', 'O', 'O', 'M', 'T', 'O', 'K', 'S'};
+inline constexpr char kRecordMagic[8] = {'L', 'O', 'O', 'M', 'R', 'E', 'C', 'S'};
+inline constexpr uint32_t kShardVersion = 1;
+inline constexpr char kManifestFile[] = "manifest.json";
+
+// Token shard: this header, the tokens (token_bytes each), zero padding to a multiple of 8,
+// then the document index: num_documents + 1 uint64 token offsets within the shard.
+struct TokenHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t token_bytes;  // 2 or 4
+  uint64_t num_tokens;
+  uint64_t num_documents;
+  uint64_t index_offset;  // byte offset of the document index
+  uint8_t reserved[24];
+};
+static_assert(sizeof(TokenHeader) == 64);
+
+// Record shard: this header, the records (each its payload then the payload's xxHash64),
+// then the record index: num_records + 1 uint64 byte offsets of the records in the file.
+struct RecordHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t reserved0;
+  uint64_t num_records;
+  uint64_t index_offset;  // byte offset of the record index
+  uint8_t reserved[32];
+};
+static_assert(sizeof(RecordHeader) == 64);
+
+// Token width on disk for a vocabulary: 2 bytes up to 65536 ids, else 4.
+inline uint32_t token_bytes_for(uint64_t vocab_size) { return vocab_size <= 65536 ? 2 : 4; }
+
+// Bytes per element of a tensor field's dtype name; InvalidArgument for an unknown name.
+size_t dtype_size(const std::string& dtype);
+const char* field_type_name(FieldType type);
+FieldType parse_field_type(const std::string& name);  // CorruptData when unknown
+
+// Appends the payload of `record` (without its checksum) to `out`. InvalidArgument when the
+// record does not match the schema.
+void encode_record(const std::vector<Field>& schema, const Record& record, std::string& out);
+
+// One decoded field of a stored record; points into the mapped shard.
+struct FieldView {
+  const uint8_t* data = nullptr;  // kBytes, kText, kTensor
+  size_t size = 0;
+  int64_t integer = 0;
+  double real = 0;
+  std::vector<int64_t> shape;  // kTensor
+};
+
+// Decodes a payload into views, one per schema field. Returns "" or what is malformed.
+std::string decode_record(const std::vector<Field>& schema, const uint8_t* payload, size_t size,
+                          std::vector<FieldView>& out);
+
+// A mapped shard whose header has been checked against its manifest entry.
+class TokenShard {
+ public:
+  // IoError if the file is missing; CorruptData naming the file if its size differs from the
+  // manifest (truncated or replaced) or its header is not a token shard of this dataset.
+  TokenShard(const std::filesystem::path& dir, const ShardInfo& info, uint32_t token_bytes);
+  uint64_t num_tokens() const { return header().num_tokens; }
+  uint64_t num_documents() const { return header().num_documents; }
+  uint32_t token_bytes() const { return header().token_bytes; }
+  const uint8_t* tokens() const { return file_.data() + sizeof(TokenHeader); }
+  // Token offsets in the shard: document d spans [doc_offset(d), doc_offset(d + 1)).
+  uint64_t doc_offset(uint64_t d) const;
+  const util::MappedFile& file() const { return file_; }
+
+ private:
+  const TokenHeader& header() const { return *reinterpret_cast<const TokenHeader*>(file_.data()); }
+  util::MappedFile file_;
+};
+
+class RecordShard {
+ public:
+  // Same errors as TokenShard, for record shards.
+  RecordShard(const std::filesystem::path& dir, const ShardInfo& info);
+  uint64_t num_records() const { return num_records_; }
+  // Record i's payload after checking its xxHash64 and bounds; CorruptData naming the shard,
+  // the record and its byte offset otherwise.
+  std::pair<const uint8_t*, size_t> payload(uint64_t i) const;
+  // What is wrong with record i's bounds or checksum, or "".
+  std::string problem(uint64_t i) const;
+  // Byte offset of record i in the file.
+  uint64_t offset(uint64_t i) const;
+  const util::MappedFile& file() const { return file_; }
+
+ private:
+  util::MappedFile file_;
+  uint64_t num_records_ = 0;
+  uint64_t index_offset_ = 0;
+};
+
+}  // namespace loom::data::format
