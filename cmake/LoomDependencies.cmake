@@ -11,7 +11,8 @@ find_package(Gloo REQUIRED)  # CPU collectives (libgloo-dev); target gloo
 find_package(CLI11 CONFIG REQUIRED)  # the loom tool and the benchmarks' command lines
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)  # checksums (libxxhash-dev)
-pkg_check_modules(SENTENCEPIECE REQUIRED IMPORTED_TARGET sentencepiece)  # tokenizer
+# SentencePiece is used through its command-line tools (spm_train, spm_encode): its library
+# bundles protobuf 3.14, which clashes with the protobuf libtorch loads (a crash at start-up).
 
 # Torch's flags (the C++11 ABI define) are already on the torch target; nothing global.
 

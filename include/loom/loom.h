@@ -6,6 +6,7 @@
 #include "loom/data/dataset.h"
 #include "loom/data/reader.h"
 #include "loom/data/sampler.h"
+#include "loom/data/vocabulary.h"
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/runtime.h"

@@ -16,6 +16,9 @@ inline constexpr int kExitBadInput =
 // What the parsed command line asked for; main runs it after parsing and exits with its code.
 using Action = std::function<int()>;
 
+// `loom data build|verify|show`: datasets (data.cpp, data_build.cpp).
+void register_data(CLI::App& app, Action& action);
+
 // `loom flight ...`: read the collectives' flight-recorder dumps (flight.cpp).
 void register_flight(CLI::App& app, Action& action);
 

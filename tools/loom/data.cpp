@@ -1,0 +1,212 @@
+// `loom data verify|show` and the `data` command itself (build lives in data_build.cpp).
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "data_commands.h"
+#include "loom/data/reader.h"
+#include "loom/data/vocabulary.h"
+#include "loom/error.h"
+#include "progress.h"
+
+namespace loom::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+int run_verify(const std::string& dir) {
+  const data::Manifest m = data::read_manifest(dir);
+  Progress progress("verifying", m.total_bytes(), "bytes");
+  const data::VerifyReport report =
+      data::verify_dataset(dir, [&](uint64_t done, uint64_t) { progress.update(done); });
+  progress.finish(report.bytes_checked);
+  if (!report.ok) {
+    std::cout << "CORRUPT: " << report.file;
+    if (report.record >= 0) std::cout << " record " << report.record << " (byte offset " << report.offset << ")";
+    std::cout << ": " << report.problem << "\n";
+    return kExitFailed;
+  }
+  std::cout << "ok: " << dir << ": " << m.shards.size() << " shards, " << m.total_bytes()
+            << " bytes, every shard hash" << (m.kind == data::DatasetKind::kRecords ? " and record checksum" : "")
+            << " matches; version " << m.version << "\n";
+  return kExitOk;
+}
+
+struct ShowArgs {
+  std::string dir;
+  int rank = 0;
+  int world = 1;
+  uint64_t step = 0;
+  int64_t batch = 4;
+  int64_t seq_len = 64;
+  uint64_t seed = 0;
+  std::string sampling = "packed";
+  std::string epoch_end = "drop";
+  bool ids = false;
+  std::string color = "auto";
+};
+
+// Terminal styling: ANSI colours or plain text.
+struct Style {
+  bool color;
+  std::string bg(int gray) const { return color ? "\033[48;5;" + std::to_string(gray) + "m" : ""; }
+  std::string fg(int gray) const { return color ? "\033[38;5;" + std::to_string(gray) + "m" : ""; }
+  std::string reset() const { return color ? "\033[0m" : ""; }
+  std::string bold(const std::string& s) const { return color ? "\033[1m" + s + "\033[0m" : s; }
+};
+
+// A [H, W] uint8 image as terminal art: half blocks in 24 grays, or an ASCII ramp two rows per line.
+void print_image(const at::Tensor& image, const Style& style) {
+  const auto a = image.accessor<uint8_t, 2>();
+  const int64_t h = image.size(0), w = image.size(1);
+  const char* ramp = " .:-=+*#%@";
+  for (int64_t y = 0; y < h; y += 2) {
+    std::cout << "    ";
+    for (int64_t x = 0; x < w; ++x) {
+      const int top = a[y][x], bottom = y + 1 < h ? a[y + 1][x] : 0;
+      if (style.color) {
+        std::cout << style.fg(232 + top * 23 / 255) << style.bg(232 + bottom * 23 / 255) << "\u2580";
+      } else {
+        std::cout << ramp[(top + bottom) / 2 * 9 / 255];
+      }
+    }
+    std::cout << style.reset() << "\n";
+  }
+}
+
+void print_tokens(const at::Tensor& row, const at::Tensor& mask, const data::Vocabulary* vocab,
+                  const Style& style, bool ids) {
+  std::string line = "    ";
+  for (int64_t k = 0; k < row.size(0); ++k) {
+    if (mask.defined() && !mask[k].item<bool>()) break;
+    const int id = static_cast<int>(row[k].item<int64_t>());
+    const std::string piece = vocab != nullptr ? vocab->text(id) : std::to_string(id);
+    if (style.color) {
+      line += style.bg(k % 2 ? 238 : 235) + piece + style.reset();
+    } else {
+      line += (k ? "|" : "") + piece;
+    }
+  }
+  std::cout << line << "\n";
+  if (ids) {
+    std::cout << "    ids:";
+    for (int64_t k = 0; k < row.size(0); ++k) std::cout << " " << row[k].item<int64_t>();
+    std::cout << "\n";
+  }
+}
+
+void print_record_field(const data::Field& field, const data::Batch& batch, int64_t r, const Style& style) {
+  std::cout << "  " << field.name << ": ";
+  switch (field.type) {
+    case data::FieldType::kText: std::cout << '"' << batch.strings.at(field.name)[r] << "\"\n"; return;
+    case data::FieldType::kBytes: {
+      const std::string& b = batch.strings.at(field.name)[r];
+      std::cout << b.size() << " bytes\n";
+      return;
+    }
+    case data::FieldType::kInt: {
+      const int64_t v = batch[field.name][r].item<int64_t>();
+      std::cout << v;
+      if (v >= 0 && v < static_cast<int64_t>(field.classes.size())) std::cout << " (" << field.classes[v] << ")";
+      std::cout << "\n";
+      return;
+    }
+    case data::FieldType::kFloat: std::cout << batch[field.name][r].item<double>() << "\n"; return;
+    case data::FieldType::kTensor: {
+      const at::Tensor t = batch[field.name][r];
+      std::cout << field.dtype << " " << t.sizes() << "\n";
+      if (t.dim() == 2 && t.scalar_type() == at::kByte) {
+        print_image(t, style);
+      } else {
+        const at::Tensor flat = t.flatten().to(at::kDouble);
+        std::cout << "    ";
+        for (int64_t k = 0; k < std::min<int64_t>(16, flat.numel()); ++k) std::cout << flat[k].item<double>() << " ";
+        std::cout << (flat.numel() > 16 ? "..." : "") << "\n";
+      }
+      return;
+    }
+  }
+}
+
+int run_show(const ShowArgs& args) {
+  data::ReaderOptions options{.batch_size = args.batch,
+                              .seq_len = args.seq_len,
+                              .sampling = args.sampling == "document" ? data::TokenSampling::kDocument
+                                                                      : data::TokenSampling::kPacked,
+                              .seed = args.seed,
+                              .rank = args.rank,
+                              .world_size = args.world,
+                              .epoch_end = args.epoch_end == "pad" ? data::EpochEnd::kPad : data::EpochEnd::kDropLast,
+                              .prefetch = 0};
+  data::Reader reader(args.dir, options);
+  const data::Manifest& m = reader.manifest();
+  const uint64_t steps = reader.steps_per_epoch();
+  const uint64_t global_batch = static_cast<uint64_t>(args.batch) * static_cast<uint64_t>(args.world);
+  reader.restore({m.version, args.seed, args.step / steps, args.step % steps * global_batch});
+  const data::Batch batch = reader.next();
+  const Style style{args.color == "always" || (args.color == "auto" && isatty(1))};
+
+  std::cout << style.bold("dataset " + args.dir) << " (version " << m.version << ", " << reader.num_samples()
+            << " samples)\n"
+            << "rank " << args.rank << " of " << args.world << ", step " << args.step << " = epoch " << batch.epoch
+            << " step " << args.step % steps << " of " << steps << ", seed " << args.seed << ", " << args.batch
+            << " samples per rank\n";
+  std::unique_ptr<data::Vocabulary> vocab;
+  if (m.kind == data::DatasetKind::kTokens && !m.tokenizer.empty()) {
+    vocab = std::make_unique<data::Vocabulary>(data::Vocabulary::of_dataset(args.dir));
+  }
+  for (int64_t r = 0; r < static_cast<int64_t>(batch.indices.size()); ++r) {
+    std::cout << style.bold("sample " + std::to_string(r)) << ": dataset index " << batch.indices[r]
+              << (r >= batch.num_real ? " (padding: masked out)" : "") << "\n";
+    if (m.kind == data::DatasetKind::kTokens) {
+      const auto mask = batch.tensors.count("mask") ? batch["mask"][r] : at::Tensor();
+      print_tokens(batch["tokens"][r], mask, vocab.get(), style, args.ids);
+    } else {
+      for (const data::Field& field : m.schema) print_record_field(field, batch, r, style);
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void register_data(CLI::App& app, Action& action) {
+  CLI::App* data = app.add_subcommand("data", "Build, verify and look into datasets.");
+  data->require_subcommand(1);
+  data->footer("Formats and guarantees: docs/data-format.md; the sample order: docs/data-order.md.");
+  register_data_build(*data, action);
+
+  auto verify_dir = std::make_shared<std::string>();
+  CLI::App* verify = data->add_subcommand("verify", "Check every shard hash and record checksum.");
+  verify->add_option("dir", *verify_dir, "the dataset directory")->required();
+  verify->footer("Exit codes: 0 intact, 1 corrupt (the first bad shard or record is named), 2 unreadable.");
+  verify->callback([verify_dir, &action] { action = [verify_dir] { return run_verify(*verify_dir); }; });
+
+  auto show = std::make_shared<ShowArgs>();
+  CLI::App* s = data->add_subcommand("show", "Print the samples a rank reads at a step, decoded.");
+  s->add_option("dir", show->dir, "the dataset directory")->required();
+  s->add_option("--rank", show->rank, "the rank")->capture_default_str();
+  s->add_option("--world", show->world, "ranks reading together")->capture_default_str();
+  s->add_option("--step", show->step, "the training step (counting from 0 over all epochs)")->capture_default_str();
+  s->add_option("--batch", show->batch, "samples per rank per step")->capture_default_str();
+  s->add_option("--seq-len", show->seq_len, "token datasets: T (a sample holds T + 1 tokens)")->capture_default_str();
+  s->add_option("--seed", show->seed, "the run's data seed")->capture_default_str();
+  s->add_option("--sampling", show->sampling, "token datasets: packed or document")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"packed", "document"}));
+  s->add_option("--epoch-end", show->epoch_end, "drop or pad")->capture_default_str()->check(CLI::IsMember({"drop", "pad"}));
+  s->add_flag("--ids", show->ids, "also print token ids");
+  s->add_option("--color", show->color, "auto, always or never")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "always", "never"}));
+  s->footer(
+      "With the options your run uses, this prints exactly the samples the model sees on that\n"
+      "rank at that step: text detokenized with token boundaries marked (| or alternating\n"
+      "shades), images as terminal art with their label, other fields as values.");
+  s->callback([show, &action] { action = [show] { return run_show(*show); }; });
+}
+
+}  // namespace loom::cli
