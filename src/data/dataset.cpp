@@ -462,12 +462,12 @@ VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
       }
       // Records first: a bad record is the more precise report than the shard's hash.
       if (records) {
-        std::vector<format::FieldView> views;
+        std::vector<format::FieldView> views(m.schema.size());
         for (uint64_t i = 0; i < records->num_records(); ++i) {
           std::string bad = records->problem(i);
           if (bad.empty()) {
             auto [p, n] = records->payload(i);
-            bad = format::decode_record(m.schema, p, n, views);
+            bad = format::decode_record(m.schema, p, n, views.data());
           }
           if (!bad.empty()) {
             report.record = static_cast<int64_t>(i);

@@ -151,12 +151,14 @@ class Source {
   void read_records(const std::vector<uint64_t>& indices, Batch& batch) const {
     const auto& schema = manifest_.schema;
     const int64_t rows = static_cast<int64_t>(indices.size());
-    std::vector<std::vector<format::FieldView>> views(indices.size());
+    const size_t width = schema.size();
+    std::vector<format::FieldView> all(indices.size() * width);
+    auto views = [&](size_t r) { return all.data() + r * width; };
     for (size_t r = 0; r < indices.size(); ++r) {
       const size_t s = shard_of(begins_, indices[r]);
       const uint64_t local = indices[r] - begins_[s];
       auto [p, n] = records_[s].payload(local);
-      const std::string bad = format::decode_record(schema, p, n, views[r]);
+      const std::string bad = format::decode_record(schema, p, n, views(r));
       LOOM_CHECK(bad.empty(), CorruptData, "record ", local, " of shard ",
                  records_[s].file().path().string(), " (byte offset ", records_[s].offset(local),
                  ") is malformed: ", bad, "; run `loom data verify`");
@@ -168,9 +170,12 @@ class Source {
         case FieldType::kFloat: {
           const bool is_int = field.type == FieldType::kInt;
           at::Tensor t = at::empty({rows}, is_int ? at::kLong : at::kDouble);
-          for (int64_t r = 0; r < rows; ++r) {
-            if (is_int) t.data_ptr<int64_t>()[r] = views[r][f].integer;
-            else t.data_ptr<double>()[r] = views[r][f].real;
+          if (is_int) {
+            int64_t* out = t.data_ptr<int64_t>();
+            for (int64_t r = 0; r < rows; ++r) out[r] = views(r)[f].integer;
+          } else {
+            double* out = t.data_ptr<double>();
+            for (int64_t r = 0; r < rows; ++r) out[r] = views(r)[f].real;
           }
           batch.tensors[field.name] = t;
           break;
@@ -179,22 +184,22 @@ class Source {
         case FieldType::kBytes: {
           auto& out = batch.strings[field.name];
           for (int64_t r = 0; r < rows; ++r) {
-            out.emplace_back(reinterpret_cast<const char*>(views[r][f].data), views[r][f].size);
+            out.emplace_back(reinterpret_cast<const char*>(views(r)[f].data), views(r)[f].size);
           }
           break;
         }
         case FieldType::kTensor: {
-          const std::vector<int64_t>& shape = views[0][f].shape;
+          const format::FieldView& first = views(0)[f];
           std::vector<int64_t> full{rows};
-          full.insert(full.end(), shape.begin(), shape.end());
+          full.insert(full.end(), first.dims, first.dims + first.ndim);
           at::Tensor t = at::empty(full, scalar_type(field.dtype));
           auto* out = static_cast<uint8_t*>(t.data_ptr());
-          const size_t row_bytes = views[0][f].size;
+          const size_t row_bytes = views(0)[f].size;
           for (int64_t r = 0; r < rows; ++r) {
-            LOOM_CHECK(views[r][f].shape == shape, InvalidArgument, "tensor field '", field.name,
+            LOOM_CHECK(views(r)[f].same_shape(first), InvalidArgument, "tensor field '", field.name,
                        "' has different shapes within one batch (samples ", indices[0], " and ",
                        indices[r], "); only equal shapes can be stacked");
-            std::memcpy(out + r * row_bytes, views[r][f].data, row_bytes);
+            std::memcpy(out + r * row_bytes, views(r)[f].data, row_bytes);
           }
           batch.tensors[field.name] = t;
           break;
@@ -240,10 +245,14 @@ struct Reader::Impl {
   // The sampler belongs to the prefetch thread while it runs, to the consumer otherwise.
   GlobalSampler sampler;
 
-  // State below is protected by mutex.
+  // State below is protected by mutex. Each side signals the other only when it waits, so a
+  // full pipeline hands batches over without system calls.
   std::mutex mutex;
-  std::condition_variable changed;
+  std::condition_variable not_empty;  // the consumer waits on it
+  std::condition_variable not_full;   // the prefetch thread waits on it
   std::deque<Item> queue;
+  bool consumer_waiting = false;
+  bool producer_waiting = false;
   bool stop = false;
   std::thread prefetcher;
 
@@ -290,7 +299,7 @@ struct Reader::Impl {
       std::lock_guard<std::mutex> lock(mutex);
       stop = true;
     }
-    changed.notify_all();
+    not_full.notify_all();
     if (prefetcher.joinable()) prefetcher.join();
     queue.clear();
   }
@@ -299,16 +308,20 @@ struct Reader::Impl {
     for (;;) {
       {
         std::unique_lock<std::mutex> lock(mutex);
-        changed.wait(lock, [&] { return stop || queue.size() < static_cast<size_t>(options.prefetch); });
+        producer_waiting = true;
+        not_full.wait(lock, [&] { return stop || queue.size() < static_cast<size_t>(options.prefetch); });
+        producer_waiting = false;
         if (stop) return;
       }
       Item item = produce();
       const bool failed = item.error != nullptr;
+      bool wake;
       {
         std::lock_guard<std::mutex> lock(mutex);
         queue.push_back(std::move(item));
+        wake = consumer_waiting;
       }
-      changed.notify_all();
+      if (wake) not_empty.notify_one();
       if (failed) return;  // the consumer rethrows; restore() or a new reader starts over
     }
   }
@@ -317,11 +330,14 @@ struct Reader::Impl {
     if (options.prefetch == 0) return produce();
     start();
     std::unique_lock<std::mutex> lock(mutex);
-    changed.wait(lock, [&] { return !queue.empty(); });
+    consumer_waiting = true;
+    not_empty.wait(lock, [&] { return !queue.empty(); });
+    consumer_waiting = false;
     Item item = std::move(queue.front());
     queue.pop_front();
+    const bool wake = producer_waiting;
     lock.unlock();
-    changed.notify_all();
+    if (wake) not_full.notify_one();
     return item;
   }
 };

@@ -110,8 +110,7 @@ void encode_record(const std::vector<Field>& schema, const Record& record, std::
 }
 
 std::string decode_record(const std::vector<Field>& schema, const uint8_t* payload, size_t size,
-                          std::vector<FieldView>& out) {
-  out.resize(schema.size());
+                          FieldView* out) {
   size_t at = 0;
   auto take = [&](size_t n) -> const uint8_t* {
     if (n > size - at) return nullptr;
@@ -143,13 +142,14 @@ std::string decode_record(const std::vector<Field>& schema, const uint8_t* paylo
         uint32_t ndim;
         if (!(p = take(4))) return "field '" + field.name + "' runs past the record";
         std::memcpy(&ndim, p, 4);
-        if (ndim > 16 || !(p = take(8 * size_t{ndim}))) {
+        if (ndim > FieldView::kMaxDims || !(p = take(8 * size_t{ndim}))) {
           return "field '" + field.name + "' has a malformed shape";
         }
-        view.shape.resize(ndim);
-        std::memcpy(view.shape.data(), p, 8 * size_t{ndim});
+        view.ndim = ndim;
+        std::memcpy(view.dims, p, 8 * size_t{ndim});
         uint64_t numel = 1;
-        for (int64_t d : view.shape) {
+        for (uint32_t k = 0; k < ndim; ++k) {
+          const int64_t d = view.dims[k];
           if (d < 0 || d > (int64_t{1} << 40)) return "field '" + field.name + "' has a bad shape";
           numel *= static_cast<uint64_t>(d);
         }

@@ -56,18 +56,25 @@ FieldType parse_field_type(const std::string& name);  // CorruptData when unknow
 // record does not match the schema.
 void encode_record(const std::vector<Field>& schema, const Record& record, std::string& out);
 
-// One decoded field of a stored record; points into the mapped shard.
+// One decoded field of a stored record; points into the mapped shard. A plain value (no heap
+// memory), so a batch decodes without allocating per record.
 struct FieldView {
+  static constexpr uint32_t kMaxDims = 8;
   const uint8_t* data = nullptr;  // kBytes, kText, kTensor
   size_t size = 0;
   int64_t integer = 0;
   double real = 0;
-  std::vector<int64_t> shape;  // kTensor
+  uint32_t ndim = 0;          // kTensor
+  int64_t dims[kMaxDims]{};   // kTensor: the first ndim are the shape
+  std::vector<int64_t> shape() const { return {dims, dims + ndim}; }
+  bool same_shape(const FieldView& o) const {
+    return ndim == o.ndim && std::memcmp(dims, o.dims, ndim * sizeof(int64_t)) == 0;
+  }
 };
 
-// Decodes a payload into views, one per schema field. Returns "" or what is malformed.
+// Decodes a payload into views out[0, schema.size()). Returns "" or what is malformed.
 std::string decode_record(const std::vector<Field>& schema, const uint8_t* payload, size_t size,
-                          std::vector<FieldView>& out);
+                          FieldView* out);
 
 // A mapped shard whose header has been checked against its manifest entry.
 class TokenShard {

@@ -18,7 +18,13 @@ namespace {
 namespace fs = std::filesystem;
 
 int run_verify(const std::string& dir) {
-  const data::Manifest m = data::read_manifest(dir);
+  data::Manifest m;
+  try {
+    m = data::read_manifest(dir);
+  } catch (const Error& e) {  // no dataset there, or a manifest that cannot be trusted
+    std::cerr << "error: " << e.what() << "\n";
+    return kExitBadInput;
+  }
   Progress progress("verifying", m.total_bytes(), "bytes");
   const data::VerifyReport report =
       data::verify_dataset(dir, [&](uint64_t done, uint64_t) { progress.update(done); });

@@ -1,0 +1,315 @@
+// bench_data: samples and tokens per second delivered by data::Reader (prefetching, world
+// size 1 and 2) beside (a) the limit, a tight single-threaded loop gathering the same samples
+// in the same order straight from the mmap, and (b) PyTorch's Python DataLoader over a numpy
+// memmap of the same bytes (num_workers 0 and 2). Data: the KJV text tokenized by
+// `loom data build text`, and Fashion-MNIST by `loom data build fashion-mnist`.
+#include <ATen/ATen.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "bench_report.h"
+#include "data/shard_format.h"
+#include "loom/data/reader.h"
+#include "loom/error.h"
+#include "util/mapped_file.h"
+#include "util/subprocess.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using loom::bench::Row;
+
+struct Settings {
+  int64_t seq_len = 512;
+  int64_t token_batch = 16;
+  int64_t record_batch = 256;
+  double seconds = 2.0;
+  std::string python = "/usr/bin/python3";
+  std::string work_dir;
+  bool json = false;
+};
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void run_or_throw(const std::vector<std::string>& argv, const fs::path& log) {
+  auto status = loom::util::Subprocess::spawn({.argv = argv, .output = log}).wait();
+  LOOM_CHECK(status.ok(), loom::Error, argv[0], " ", status.describe(), "; see ", log.string());
+}
+
+// Builds the two datasets once into the work directory (kept between runs).
+void prepare(const Settings& s, const fs::path& work) {
+  fs::create_directories(work);
+  const std::string loom_tool = LOOM_BINARY_DIR "/tools/loom/loom";
+  if (!fs::exists(work / "kjv" / "manifest.json")) {
+    fs::remove_all(work / "kjv");
+    run_or_throw({"bible", "gen1:1-rev22:21"}, work / "kjv.txt");
+    run_or_throw({loom_tool, "data", "build", "text", "--input", (work / "kjv.txt").string(), "--vocab-size", "4096",
+                  "--out", (work / "kjv").string()},
+                 work / "build.log");
+  }
+  if (!fs::exists(work / "fashion" / "manifest.json")) {
+    fs::remove_all(work / "fashion");
+    run_or_throw({loom_tool, "data", "build", "fashion-mnist", "--out", (work / "fashion").string()},
+                 work / "build.log");
+  }
+  if (!fs::exists(work / "fashion-images.u8")) {  // the same images as raw arrays for numpy
+    loom::data::Reader reader(work / "fashion", {});
+    std::vector<uint64_t> all(reader.num_samples());
+    for (uint64_t i = 0; i < all.size(); ++i) all[i] = i;
+    const loom::data::Batch b = reader.read(all);
+    std::ofstream(work / "fashion-images.u8", std::ios::binary)
+        .write(static_cast<const char*>(b["image"].data_ptr()), b["image"].numel());
+    const at::Tensor labels = b["label"].to(at::kByte);
+    std::ofstream(work / "fashion-labels.u8", std::ios::binary)
+        .write(static_cast<const char*>(labels.data_ptr()), labels.numel());
+  }
+}
+
+// Samples per second of `world` readers (one thread each, as ranks), each with prefetch.
+double reader_rate(const fs::path& ds, loom::data::ReaderOptions options, int world, double seconds) {
+  std::atomic<uint64_t> samples{0};
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> ranks;
+  const auto start = Clock::now();
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r, options]() mutable {
+      options.rank = r;
+      options.world_size = world;
+      loom::data::Reader reader(ds, options);
+      uint64_t n = 0;
+      while (!stop.load(std::memory_order_relaxed)) n += static_cast<uint64_t>(reader.next().num_real);
+      samples += n;
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  stop = true;
+  for (auto& t : ranks) t.join();
+  return static_cast<double>(samples.load()) / seconds_since(start);
+}
+
+// The limit for tokens: the sampler's order, windows widened from the mmap into one reused
+// buffer; one thread, no tensors, no queue.
+double token_limit_rate(const fs::path& ds, const Settings& s) {
+  const loom::data::Manifest m = loom::data::read_manifest(ds);
+  LOOM_CHECK(m.shards.size() == 1, loom::Error, "bench_data expects a one-shard token dataset");
+  loom::util::MappedFile file(ds / m.shards[0].file);
+  const auto* tokens = reinterpret_cast<const uint16_t*>(file.data() + 64);
+  const uint64_t n = (m.shards[0].items - 1) / static_cast<uint64_t>(s.seq_len);
+  loom::data::GlobalSampler sampler({.num_samples = n, .per_rank_batch = static_cast<uint64_t>(s.token_batch)});
+  std::vector<int64_t> out(static_cast<size_t>(s.token_batch * (s.seq_len + 1)));
+  uint64_t samples = 0;
+  int64_t checksum = 0;
+  const auto start = Clock::now();
+  while (seconds_since(start) < s.seconds) {
+    const auto batch = sampler.next_batch();
+    for (size_t r = 0; r < batch.indices.size(); ++r) {
+      const uint16_t* src = tokens + batch.indices[r] * static_cast<uint64_t>(s.seq_len);
+      int64_t* dst = out.data() + r * static_cast<size_t>(s.seq_len + 1);
+      for (int64_t k = 0; k <= s.seq_len; ++k) dst[k] = src[k];
+    }
+    checksum += out[7];
+    samples += batch.indices.size();
+  }
+  if (checksum == -1) std::cerr << "";  // keeps the copies observable
+  return static_cast<double>(samples) / seconds_since(start);
+}
+
+// The limit for records: the same records located through the index and copied (image bytes
+// and label) into reused buffers; one thread, no checksum, no tensors.
+double record_limit_rate(const fs::path& ds, const Settings& s) {
+  const loom::data::Manifest m = loom::data::read_manifest(ds);
+  loom::data::format::RecordShard shard(ds, m.shards.at(0));
+  loom::data::GlobalSampler sampler(
+      {.num_samples = shard.num_records(), .per_rank_batch = static_cast<uint64_t>(s.record_batch)});
+  std::vector<uint8_t> images(static_cast<size_t>(s.record_batch) * 784);
+  std::vector<int64_t> labels(static_cast<size_t>(s.record_batch));
+  uint64_t samples = 0;
+  const auto start = Clock::now();
+  while (seconds_since(start) < s.seconds) {
+    const auto batch = sampler.next_batch();
+    for (size_t r = 0; r < batch.indices.size(); ++r) {
+      const uint8_t* p = shard.file().data() + shard.offset(batch.indices[r]);
+      std::memcpy(images.data() + r * 784, p + 4 + 16, 784);  // ndim, shape, pixels
+      std::memcpy(&labels[r], p + 4 + 16 + 784, 8);
+    }
+    samples += batch.indices.size();
+  }
+  return static_cast<double>(samples + (labels[0] == -1)) / seconds_since(start);
+}
+
+const char* kPythonLoader = R"PY(
+import sys, time, numpy as np, torch
+from torch.utils.data import Dataset, DataLoader, RandomSampler
+kind, path, workers, batch, seq, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+torch.set_num_threads(1)
+class Tokens(Dataset):
+    def __init__(self):
+        self.count = (np.memmap(path, dtype=np.uint16, mode='r', offset=64).shape[0])
+        self.arr = None
+    def __len__(self):
+        return (self.count - 1) // seq
+    def __getitem__(self, i):
+        if self.arr is None:
+            self.arr = np.memmap(path, dtype=np.uint16, mode='r', offset=64)
+        return torch.from_numpy(self.arr[i * seq:i * seq + seq + 1].astype(np.int64))
+class Images(Dataset):
+    def __init__(self):
+        self.images = np.memmap(path + '-images.u8', dtype=np.uint8, mode='r').reshape(-1, 28, 28)
+        self.labels = np.memmap(path + '-labels.u8', dtype=np.uint8, mode='r')
+    def __len__(self):
+        return self.labels.shape[0]
+    def __getitem__(self, i):
+        return torch.from_numpy(np.array(self.images[i])), int(self.labels[i])
+ds = Tokens() if kind == 'tokens' else Images()
+loader = DataLoader(ds, batch_size=batch, sampler=RandomSampler(ds), num_workers=workers,
+                    persistent_workers=workers > 0, drop_last=True)
+samples, start, warm = 0, None, 0
+while True:
+    for b in loader:
+        warm += 1
+        if warm == 3:
+            start = time.perf_counter()
+        elif start is not None:
+            samples += batch
+        if start is not None and time.perf_counter() - start > seconds:
+            print(samples / (time.perf_counter() - start))
+            sys.exit(0)
+)PY";
+
+// Samples per second of the Python DataLoader, or 0 when Python or torch is missing.
+double dataloader_rate(const Settings& s, const fs::path& work, const std::string& kind, const std::string& path,
+                       int workers, int64_t batch) {
+  const fs::path script = work / "loader.py";
+  std::ofstream(script) << kPythonLoader;
+  const fs::path out = work / "loader.out";
+  fs::remove(out);
+  auto status = loom::util::Subprocess::spawn({.argv = {s.python, script.string(), kind, path, std::to_string(workers),
+                                                        std::to_string(batch), std::to_string(s.seq_len),
+                                                        std::to_string(s.seconds)},
+                                               .output = out})
+                    .wait();
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  if (!status.ok()) {
+    std::cerr << "bench_data: the Python DataLoader run failed (" << status.describe() << "): " << text << "\n";
+    return 0;
+  }
+  return std::stod(text);
+}
+
+void report(const Settings& s, Row row) {
+  if (s.json) {
+    loom::bench::print_json(row);
+  } else {
+    std::printf("%-30s %14.0f %14.0f  %-34s %6.2fx  %s\n", row.case_name.c_str(), row.loom, row.baseline,
+                row.baseline_name.c_str(), row.ratio, row.unit.c_str());
+  }
+  std::fflush(stdout);
+}
+
+// Seconds for restore() then the first next() at `position` of an epoch.
+double restore_seconds(loom::data::Reader& reader, uint64_t position) {
+  const auto state = reader.state();
+  const auto start = Clock::now();
+  reader.restore({state.dataset_version, state.seed, 0, position});
+  reader.next();
+  return seconds_since(start);
+}
+
+int run(const Settings& s) {
+  const fs::path work = s.work_dir.empty() ? fs::temp_directory_path() / "loom-bench-data" : fs::path(s.work_dir);
+  prepare(s, work);
+  if (!s.json) {
+    std::printf("%-30s %14s %14s  %-34s %7s  %s\n", "case", "loom", "baseline", "baseline", "ratio", "unit");
+  }
+  const fs::path kjv = work / "kjv";
+  const auto token_options = loom::data::ReaderOptions{.batch_size = s.token_batch, .seq_len = s.seq_len, .prefetch = 4};
+  const double tokens_per_sample = static_cast<double>(s.seq_len);
+  const double limit_tokens = token_limit_rate(kjv, s) * tokens_per_sample;
+  double loom_tokens_w1 = 0;
+  for (int world : {1, 2}) {
+    const double rate = reader_rate(kjv, token_options, world, s.seconds) * tokens_per_sample;
+    if (world == 1) loom_tokens_w1 = rate;
+    report(s, {"data", "tokens/W" + std::to_string(world) + "/T" + std::to_string(s.seq_len), rate, limit_tokens,
+               "limit: 1-thread gather from mmap", "tokens/s", rate / limit_tokens});
+  }
+  const std::string shard = (kjv / "tokens_00000.bin").string();
+  const double dl0 = dataloader_rate(s, work, "tokens", shard, 0, s.token_batch) * tokens_per_sample;
+  const double dl2 = dataloader_rate(s, work, "tokens", shard, 2, s.token_batch) * tokens_per_sample;
+  const double best_dl = std::max(dl0, dl2);
+  report(s, {"data", "tokens/W1/vs-dataloader", loom_tokens_w1, best_dl,
+             dl2 >= dl0 ? "DataLoader num_workers=2" : "DataLoader num_workers=0", "tokens/s",
+             best_dl > 0 ? loom_tokens_w1 / best_dl : 0, {{"dataloader_w0", dl0}, {"dataloader_w2", dl2}}});
+
+  const fs::path fashion = work / "fashion";
+  const auto record_options = loom::data::ReaderOptions{.batch_size = s.record_batch, .prefetch = 4};
+  const double limit_records = record_limit_rate(fashion, s);
+  double loom_records_w1 = 0;
+  for (int world : {1, 2}) {
+    const double rate = reader_rate(fashion, record_options, world, s.seconds);
+    if (world == 1) loom_records_w1 = rate;
+    report(s, {"data", "fashion-mnist/W" + std::to_string(world), rate, limit_records,
+               "limit: 1-thread gather from mmap", "samples/s", rate / limit_records});
+  }
+  const double rdl0 = dataloader_rate(s, work, "images", (work / "fashion").string(), 0, s.record_batch);
+  const double rdl2 = dataloader_rate(s, work, "images", (work / "fashion").string(), 2, s.record_batch);
+  const double best_rdl = std::max(rdl0, rdl2);
+  report(s, {"data", "fashion-mnist/W1/vs-dataloader", loom_records_w1, best_rdl,
+             rdl2 >= rdl0 ? "DataLoader num_workers=2" : "DataLoader num_workers=0", "samples/s",
+             best_rdl > 0 ? loom_records_w1 / best_rdl : 0, {{"dataloader_w0", rdl0}, {"dataloader_w2", rdl2}}});
+
+  // restore() is O(1): the same cost at the start of an epoch and deep into one. The second
+  // case uses a sampler over 2^40 samples (no dataset here is that big) at position 10^9.
+  loom::data::Reader reader(kjv, {.batch_size = s.token_batch, .seq_len = s.seq_len, .prefetch = 0});
+  double at0 = 1e9, at_end = 1e9;
+  const uint64_t last = (reader.num_samples() / static_cast<uint64_t>(s.token_batch) - 1) * static_cast<uint64_t>(s.token_batch);
+  for (int i = 0; i < 50; ++i) {
+    at0 = std::min(at0, restore_seconds(reader, 0));
+    at_end = std::min(at_end, restore_seconds(reader, last));
+  }
+  report(s, {"data", "restore+next/kjv/end-of-epoch", at_end * 1e6, at0 * 1e6, "the same at position 0", "us",
+             at0 / at_end});
+  loom::data::GlobalSampler big({.num_samples = uint64_t{1} << 40, .per_rank_batch = static_cast<uint64_t>(s.token_batch)});
+  double big0 = 1e9, big9 = 1e9;
+  for (int i = 0; i < 50; ++i) {
+    for (uint64_t position : {uint64_t{0}, uint64_t{1000000000}}) {
+      const auto start = Clock::now();
+      big.restore({"", 0, 0, position});
+      big.next_batch();
+      (position == 0 ? big0 : big9) = std::min(position == 0 ? big0 : big9, seconds_since(start));
+    }
+  }
+  report(s, {"data", "restore+next/2^40-samples/at-1e9", big9 * 1e6, big0 * 1e6, "the same at position 0", "us",
+             big0 / big9});
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{"bench_data: data::Reader beside a raw mmap gather loop and PyTorch's DataLoader"};
+  app.add_option("--seq-len", s.seq_len, "tokens per sample (T)")->capture_default_str();
+  app.add_option("--token-batch", s.token_batch, "token samples per rank per step")->capture_default_str();
+  app.add_option("--record-batch", s.record_batch, "Fashion-MNIST samples per rank per step")->capture_default_str();
+  app.add_option("--seconds", s.seconds, "seconds per measurement")->capture_default_str();
+  app.add_option("--python", s.python, "the Python with torch for the DataLoader peer")->capture_default_str();
+  app.add_option("--work-dir", s.work_dir, "where the datasets are built (kept; default $TMPDIR/loom-bench-data)");
+  app.add_flag("--json", s.json, "print one JSON object per row");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(s);
+  } catch (const std::exception& e) {
+    std::cerr << "bench_data: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,141 @@
+// `loom data build|verify|show` end to end on the real data of Debian packages: the KJV text
+// (bible-kjv) and Fashion-MNIST (dataset-fashion-mnist), read back through data::Reader.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "harness/harness.h"
+#include "loom/data/reader.h"
+#include "loom/data/vocabulary.h"
+#include "util/subprocess.h"
+
+namespace loom::data {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::ProgramResult;
+using testing::TempDir;
+
+ProgramResult loom(std::vector<std::string> args, const TempDir& dir) {
+  args.insert(args.begin(), LOOM_BINARY_DIR "/tools/loom/loom");
+  return testing::run_program(args, dir.path());
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+TEST(DataCli, KjvTextBecomesATokenDatasetThatReadsBack) {
+  TempDir dir;
+  const fs::path text = dir / "genesis.txt";
+  auto bible = util::Subprocess::spawn({.argv = {"bible", "gen1:1-gen50:26"}, .output = text});
+  ASSERT_TRUE(bible.wait().ok());
+  ASSERT_GT(fs::file_size(text), 100000u);
+
+  const fs::path ds = dir / "kjv";
+  ProgramResult built = loom({"data", "build", "text", "--input", text.string(), "--vocab-size", "600",
+                              "--out", ds.string(), "--shard-tokens", "20000"},
+                             dir);
+  ASSERT_EQ(built.exit_code, 0) << built.output;
+  EXPECT_TRUE(contains(built.output, "tokenizing")) << built.output;
+
+  const Manifest m = read_manifest(ds);
+  EXPECT_EQ(m.vocab_size, 600u);
+  EXPECT_GT(m.shards.size(), 1u);
+  const Vocabulary vocab = Vocabulary::of_dataset(ds);
+  EXPECT_EQ(vocab.piece(m.eos_id), "</s>");
+
+  // Every document decodes back to the source text, words intact.
+  Reader reader(ds, {.batch_size = 2, .seq_len = 64, .sampling = TokenSampling::kDocument});
+  Batch first = reader.read({0, 1});
+  std::vector<int64_t> ids;
+  const auto row = first["tokens"][1];
+  for (int64_t k = 0; k < first["mask"][1].sum().item<int64_t>(); ++k) ids.push_back(row[k].item<int64_t>());
+  EXPECT_TRUE(contains(vocab.decode(ids), "In the beginning God created the heaven and the earth"))
+      << vocab.decode(ids);
+
+  ProgramResult verified = loom({"data", "verify", ds.string()}, dir);
+  EXPECT_EQ(verified.exit_code, 0) << verified.output;
+  ProgramResult shown = loom({"data", "show", ds.string(), "--seq-len", "16", "--batch", "2", "--world", "2",
+                              "--rank", "1", "--step", "3", "--color", "never"},
+                             dir);
+  ASSERT_EQ(shown.exit_code, 0) << shown.output;
+  EXPECT_TRUE(contains(shown.output, "rank 1 of 2, step 3")) << shown.output;
+  EXPECT_TRUE(contains(shown.output, "|")) << shown.output;
+
+  // show prints exactly what the reader gives that rank at that step.
+  Reader rank1(ds, {.batch_size = 2, .seq_len = 16, .rank = 1, .world_size = 2});
+  for (int s = 0; s < 3; ++s) rank1.next();
+  const Batch step3 = rank1.next();
+  EXPECT_TRUE(contains(shown.output, "dataset index " + std::to_string(step3.indices[0]))) << shown.output;
+}
+
+TEST(DataCli, FashionMnistBecomesARecordDatasetThatReadsBack) {
+  TempDir dir;
+  const fs::path ds = dir / "fm";
+  ProgramResult built = loom({"data", "build", "fashion-mnist", "--split", "test", "--out", ds.string()}, dir);
+  ASSERT_EQ(built.exit_code, 0) << built.output;
+  const Manifest m = read_manifest(ds);
+  EXPECT_EQ(m.total_items(), 10000u);
+  EXPECT_EQ(m.field("label").classes.at(9), "Ankle boot");
+
+  Reader reader(ds, {.batch_size = 100, .seed = 5});
+  at::Tensor counts = at::zeros({10}, at::kLong);
+  for (int s = 0; s < 100; ++s) {
+    const Batch b = reader.next();
+    EXPECT_EQ(b["image"].sizes(), (std::vector<int64_t>{100, 28, 28}));
+    counts += at::bincount(b["label"], {}, 10);
+  }
+  EXPECT_TRUE(counts.eq(1000).all().item<bool>()) << counts;  // the test split is balanced
+
+  ProgramResult shown = loom({"data", "show", ds.string(), "--batch", "1", "--color", "never"}, dir);
+  ASSERT_EQ(shown.exit_code, 0) << shown.output;
+  EXPECT_TRUE(contains(shown.output, "label: ")) << shown.output;
+  EXPECT_TRUE(contains(shown.output, "#")) << shown.output;  // the image as terminal art
+
+  // A flipped byte: verify names the file and the record and exits 1.
+  {
+    std::fstream f(ds / "records_00000.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(64 + 5000 * 820 + 400);
+    f.put('\x55');
+  }
+  ProgramResult verified = loom({"data", "verify", ds.string()}, dir);
+  EXPECT_EQ(verified.exit_code, 1) << verified.output;
+  EXPECT_TRUE(contains(verified.output, "records_00000.bin record 5000")) << verified.output;
+  ProgramResult missing = loom({"data", "verify", (dir / "nothing").string()}, dir);
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_TRUE(contains(missing.output, "does not exist")) << missing.output;
+}
+
+TEST(DataCli, JsonlBecomesARecordDataset) {
+  TempDir dir;
+  {
+    std::ofstream f(dir / "episodes.jsonl");
+    f << R"({"prompt": "2+2", "reward": 1.5, "steps": 3, "obs": [[1, 2], [3, 4]], "meta": {"a": 1}})" << "\n"
+      << R"({"prompt": "3+3", "reward": 2, "steps": 4, "obs": [[5, 6]], "meta": null})" << "\n";
+  }
+  const fs::path ds = dir / "rl";
+  ProgramResult built = loom({"data", "build", "jsonl", "--input", (dir / "episodes.jsonl").string(), "--out",
+                              ds.string()},
+                             dir);
+  ASSERT_EQ(built.exit_code, 0) << built.output;
+  Reader reader(ds, {});
+  const Batch b = reader.read({1});
+  EXPECT_EQ(b.strings.at("prompt")[0], "3+3");
+  EXPECT_DOUBLE_EQ(b["reward"][0].item<double>(), 2.0);
+  EXPECT_EQ(b["steps"][0].item<int64_t>(), 4);
+  EXPECT_TRUE(b["obs"][0].equal(at::tensor({5, 6}, at::kLong).view({1, 2})));
+  EXPECT_EQ(b.strings.at("meta")[0], "null");
+
+  {
+    std::ofstream f(dir / "bad.jsonl");
+    f << R"({"a": 1})" << "\n" << R"({"a": "x"})" << "\n";
+  }
+  ProgramResult bad = loom({"data", "build", "jsonl", "--input", (dir / "bad.jsonl").string(), "--out",
+                            (dir / "bad").string()},
+                           dir);
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "bad.jsonl:2")) << bad.output;
+}
+
+}  // namespace
+}  // namespace loom::data
