@@ -11,6 +11,7 @@
 #include <iostream>
 #include <thread>
 
+#include "loom/data/reader.h"
 #include "loom/error.h"
 #include "loom/version.h"
 #include "util/files.h"
@@ -201,6 +202,13 @@ int run_main(int argc, const char* const* argv, const ConfigSchema& program_keys
     std::cerr << "error: " << e.what() << std::endl;
     return 1;
   }
+}
+
+std::unique_ptr<data::Reader> Runtime::open_dataset(const std::filesystem::path& dir,
+                                                   data::ReaderOptions options) const {
+  options.rank = rank();
+  options.world_size = world_size();
+  return std::make_unique<data::Reader>(dir, options);
 }
 
 }  // namespace loom

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Quick start, command one: installs what is missing (apt), builds Loom and trains the bundled
-# Fashion-MNIST example on the images Debian's dataset-fashion-mnist ships, then prints the
-# test accuracy. Arguments are config overrides, e.g. tools/run-example.sh --train.epochs=3
+# Quick start, command one: installs what is missing (apt), builds Loom, turns the images
+# Debian's dataset-fashion-mnist ships into Loom datasets (once) and trains the bundled
+# Fashion-MNIST example on them, then prints the test accuracy. Arguments are config
+# overrides, e.g. tools/run-example.sh --train.epochs=3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 tools/install-deps.sh
-LOOM_TARGETS=fashion_mnist tools/build.sh -DLOOM_WITH_CUDA=OFF
+LOOM_TARGETS="fashion_mnist loom_cli" tools/build.sh -DLOOM_WITH_CUDA=OFF
+for split in train test; do
+  [ -f "data/fashion-mnist-$split/manifest.json" ] ||
+    build/tools/loom/loom data build fashion-mnist --split "$split" --out "data/fashion-mnist-$split"
+done
 build/examples/fashion_mnist --config=examples/fashion_mnist/config.toml "$@"
 echo "run-example: result in runs/fashion_mnist/result.json: $(cat runs/fashion_mnist/result.json)"

@@ -1,5 +1,7 @@
 // Fashion-MNIST: a small CNN trained through loom::Runtime on the images Debian's
-// dataset-fashion-mnist ships. Single process for now; the trainer issue makes it DDP.
+// dataset-fashion-mnist ships, read through loom::data::Reader from record datasets that
+// `loom data build fashion-mnist` makes (tools/run-example.sh builds them). Single process
+// for now; the trainer issue makes it DDP.
 //
 //   fashion_mnist --config=examples/fashion_mnist/config.toml --train.epochs=2
 #include <loom/loom.h>
@@ -7,8 +9,6 @@
 
 #include <chrono>
 #include <fstream>
-
-#include "idx.h"
 
 namespace {
 
@@ -35,7 +35,8 @@ TORCH_MODULE(Net);
 
 loom::ConfigSchema keys() {
   loom::ConfigSchema s;
-  s.add("data.dir", "/usr/share/datasets/fashion-mnist", "directory with the *-ubyte.gz files");
+  s.add("data.train", "data/fashion-mnist-train", "training set (loom data build fashion-mnist)");
+  s.add("data.test", "data/fashion-mnist-test", "test set (loom data build fashion-mnist --split test)");
   s.add("model.width", 8, "channels of the first convolution; the second has twice as many");
   s.add("train.epochs", 1, "passes over the 60,000 training images");
   s.add("train.batch_size", 64, "images per optimizer step");
@@ -51,37 +52,38 @@ torch::Tensor normalise(const torch::Tensor& images) {
   return ((images.to(torch::kFloat32) / 255.0f - 0.2860f) / 0.3530f).unsqueeze(1);
 }
 
-double accuracy(Net& net, const torch::Tensor& images, const torch::Tensor& labels,
-                int64_t batch_size) {
+// Accuracy over every image of the test set, read in order.
+double accuracy(Net& net, const loom::data::Reader& test, int64_t batch_size) {
   torch::NoGradGuard no_grad;
   net->eval();
   int64_t correct = 0;
-  for (int64_t begin = 0; begin < images.size(0); begin += batch_size) {
-    int64_t end = std::min(begin + batch_size, images.size(0));
-    auto predicted = net->forward(normalise(images.slice(0, begin, end))).argmax(1);
-    correct += predicted.eq(labels.slice(0, begin, end)).sum().item<int64_t>();
+  const int64_t n = static_cast<int64_t>(test.num_samples());
+  for (int64_t begin = 0; begin < n; begin += batch_size) {
+    std::vector<uint64_t> indices;
+    for (int64_t i = begin; i < std::min(begin + batch_size, n); ++i) indices.push_back(i);
+    const loom::data::Batch batch = test.read(indices);
+    auto predicted = net->forward(normalise(batch["image"])).argmax(1);
+    correct += predicted.eq(batch["label"]).sum().item<int64_t>();
   }
   net->train();
-  return static_cast<double>(correct) / static_cast<double>(images.size(0));
+  return static_cast<double>(correct) / static_cast<double>(n);
 }
 
 void train(loom::Runtime& rt) {
   const loom::Config& cfg = rt.config();
-  std::filesystem::path dir = cfg.get<std::string>("data.dir");
-  auto train_images = fashion_mnist::read_images(dir / "train-images-idx3-ubyte.gz");
-  auto train_labels = fashion_mnist::read_labels(dir / "train-labels-idx1-ubyte.gz");
-  auto test_images = fashion_mnist::read_images(dir / "t10k-images-idx3-ubyte.gz");
-  auto test_labels = fashion_mnist::read_labels(dir / "t10k-labels-idx1-ubyte.gz");
-  rt.log().info("Fashion-MNIST: {} training and {} test images from {}", train_images.size(0),
-                test_images.size(0), dir.string());
-
-  Net net(cfg.get<int64_t>("model.width"));
-  torch::optim::Adam optimizer(net->parameters(),
-                               torch::optim::AdamOptions(cfg.get<double>("train.lr")));
   const int64_t batch = cfg.get<int64_t>("train.batch_size");
   const int64_t max_steps = cfg.get<int64_t>("train.max_steps");
   const int64_t log_every = cfg.get<int64_t>("train.log_every");
   LOOM_CHECK(batch > 0, loom::ConfigError, "train.batch_size must be positive, got ", batch);
+  auto train_set = rt.open_dataset(cfg.get<std::string>("data.train"),
+                                   {.batch_size = batch, .seed = rt.seed()});
+  const loom::data::Reader test_set(cfg.get<std::string>("data.test"), {});
+  rt.log().info("Fashion-MNIST: {} training images (dataset {}), {} test images",
+                train_set->num_samples(), train_set->manifest().version, test_set.num_samples());
+
+  Net net(cfg.get<int64_t>("model.width"));
+  torch::optim::Adam optimizer(net->parameters(),
+                               torch::optim::AdamOptions(cfg.get<double>("train.lr")));
 
   auto start = std::chrono::steady_clock::now();
   auto window_start = start;
@@ -89,16 +91,13 @@ void train(loom::Runtime& rt) {
   double window_loss = 0;
   bool done = false;
   for (int64_t epoch = 0; epoch < cfg.get<int64_t>("train.epochs") && !done; ++epoch) {
-    auto order = torch::randperm(train_images.size(0), torch::kInt64);
-    for (int64_t begin = 0; begin + batch <= order.size(0); begin += batch, ++step) {
+    for (uint64_t i = 0; i < train_set->steps_per_epoch(); ++i, ++step) {
       if (max_steps > 0 && step >= max_steps) {
         done = true;
         break;
       }
-      auto index = order.slice(0, begin, begin + batch);
-      auto loss =
-          torch::cross_entropy_loss(net->forward(normalise(train_images.index_select(0, index))),
-                                    train_labels.index_select(0, index));
+      const loom::data::Batch b = train_set->next();
+      auto loss = torch::cross_entropy_loss(net->forward(normalise(b["image"])), b["label"]);
       optimizer.zero_grad();
       loss.backward();
       optimizer.step();
@@ -115,8 +114,7 @@ void train(loom::Runtime& rt) {
   }
   double train_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  double test_accuracy =
-      accuracy(net, test_images, test_labels, cfg.get<int64_t>("eval.batch_size"));
+  double test_accuracy = accuracy(net, test_set, cfg.get<int64_t>("eval.batch_size"));
   rt.log().info(
       "result: test accuracy {:.4f} after {} steps in {:.1f} s (published 2-conv baseline 0.916)",
       test_accuracy, step, train_seconds);

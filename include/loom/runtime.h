@@ -26,6 +26,11 @@
 
 namespace loom {
 
+namespace data {
+class Reader;
+struct ReaderOptions;
+}  // namespace data
+
 // Where this process sits in the job. from_env() reads, first found wins:
 //   rank               LOOM_RANK, RANK                          (default 0)
 //   world_size         LOOM_WORLD_SIZE, WORLD_SIZE              (default 1)
@@ -84,6 +89,12 @@ class Runtime {
   // Created at init; rank 0 writes the resolved config.toml there.
   const std::filesystem::path& run_dir() const;
   spdlog::logger& log() const;
+
+  // Opens the dataset at `dir` for this rank: options.rank and options.world_size are set
+  // from the topology, everything else is the caller's (loom/data/reader.h). The errors are
+  // data::Reader's.
+  std::unique_ptr<data::Reader> open_dataset(const std::filesystem::path& dir,
+                                             data::ReaderOptions options) const;
 
  private:
   struct Impl;
