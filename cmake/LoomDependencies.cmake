@@ -14,6 +14,13 @@ pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)  # checksums (libxx
 # SentencePiece is used through its command-line tools (spm_train, spm_encode): its library
 # bundles protobuf 3.14, which clashes with the protobuf libtorch loads (a crash at start-up).
 
+# The control plane (coordinator, launcher): gRPC and protobuf, and their code generators.
+if(LOOM_WITH_GRPC)
+  find_package(Protobuf REQUIRED)
+  find_package(gRPC CONFIG REQUIRED)
+  find_program(LOOM_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
+endif()
+
 # Torch's flags (the C++11 ABI define) are already on the torch target; nothing global.
 
 # CUDA: AUTO builds kernels/ and the NCCL code when nvcc exists (/usr/local/cuda here).

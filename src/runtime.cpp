@@ -9,8 +9,16 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <thread>
 
+#include "control/heartbeat.h"
+#include "loom/comm/flight_recorder.h"
+#include "loom/comm/gloo.h"
+#include "loom/comm/group.h"
+#include "loom/comm/nccl.h"
+#include "loom/comm/store.h"
+#include "loom/control/store.h"
 #include "loom/data/reader.h"
 #include "loom/error.h"
 #include "loom/version.h"
@@ -83,6 +91,8 @@ Topology Topology::from_env() {
   t.local_world_size =
       env_int({"LOOM_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE"}).value_or(t.world_size);
   t.coordinator = env_str("LOOM_COORDINATOR");
+  t.generation = env_int({"LOOM_GENERATION"}).value_or(0);
+  t.job_token = env_str("LOOM_JOB_TOKEN");
   if (t.coordinator.empty() && !env_str("MASTER_ADDR").empty()) {
     std::string port = env_str("MASTER_PORT");
     LOOM_CHECK(!port.empty(), InvalidArgument, "MASTER_ADDR is set but MASTER_PORT is not");
@@ -110,6 +120,28 @@ struct Runtime::Impl {
   c10::Device device{c10::kCPU};
   uint64_t seed = 0;
   int threads = 1;
+  std::unique_ptr<control::Heartbeat> heartbeat;  // under `loom run` only
+
+  // Created on first use; protected by mutex.
+  std::mutex mutex;
+  std::unique_ptr<comm::Store> base_store;
+  std::unique_ptr<comm::Store> store;
+  std::unique_ptr<comm::Group> world_group;
+
+  ~Impl() {
+    heartbeat.reset();    // its thread may call dump_flight
+    world_group.reset();  // before the stores it bootstrapped over
+  }
+
+  // Writes the world group's flight recorder to <run_dir>/flight (a coordinator request).
+  void dump_flight() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!world_group) return;
+    const auto file = comm::flight_dump_file(run_dir / "flight", topology.rank);
+    std::filesystem::create_directories(file.parent_path());
+    world_group->flight_recorder().dump(file, topology.rank, world_group->name());
+    logger->info("flight recorder dumped to {} (coordinator request)", file.string());
+  }
 };
 
 Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -139,7 +171,9 @@ Runtime Runtime::init(int argc, const char* const* argv, const ConfigSchema& pro
 
 Runtime Runtime::init(const Config& config, const Topology& topology, bool configure_process) {
   topology.validate();
-  auto impl = std::make_unique<Impl>(Impl{topology, config, {}, {}, c10::Device(c10::kCPU)});
+  auto impl = std::make_unique<Impl>();
+  impl->topology = topology;
+  impl->config = config;
   impl->run_dir = std::filesystem::absolute(config.get<std::string>("run.dir"));
   std::filesystem::create_directories(impl->run_dir);
 
@@ -165,6 +199,16 @@ Runtime Runtime::init(const Config& config, const Topology& topology, bool confi
   impl->logger->info("loom {}: rank {} of {}, local rank {}, device {}, {} threads, seed {}",
                      version(), topology.rank, topology.world_size, topology.local_rank,
                      impl->device.str(), impl->threads, impl->seed);
+  if (topology.generation > 0 && !topology.coordinator.empty()) {
+    Impl* raw = impl.get();
+    impl->heartbeat = std::make_unique<control::Heartbeat>(control::HeartbeatOptions{
+        .address = topology.coordinator,
+        .token = topology.job_token,
+        .rank = topology.rank,
+        .generation = topology.generation,
+        .on_flight_dump = [raw] { raw->dump_flight(); },
+        .log = impl->logger});
+  }
   return Runtime(std::move(impl));
 }
 
@@ -202,6 +246,46 @@ int run_main(int argc, const char* const* argv, const ConfigSchema& program_keys
     std::cerr << "error: " << e.what() << std::endl;
     return 1;
   }
+}
+
+comm::Store& Runtime::store() const {
+  Impl& impl = *impl_;
+  std::lock_guard<std::mutex> lock(impl.mutex);
+  if (impl.store) return *impl.store;
+  const Topology& t = impl.topology;
+  const std::string store_dir = env_str("LOOM_STORE_DIR");
+  if (t.generation > 0 && !t.coordinator.empty()) {
+    impl.base_store = std::make_unique<control::CoordinatorStore>(t.coordinator, t.job_token);
+    impl.store = std::make_unique<comm::PrefixStore>(detail::concat("gen", t.generation), *impl.base_store);
+  } else if (!store_dir.empty()) {
+    impl.store = std::make_unique<comm::FileStore>(store_dir);
+  } else {
+    LOOM_CHECK(t.world_size == 1, InvalidArgument, "rank ", t.rank, " of ", t.world_size,
+               " has no rendezvous store: start multi-process jobs with `loom run` (or set "
+               "LOOM_STORE_DIR to a directory all ranks share)");
+    impl.store = std::make_unique<comm::InMemoryStore>();
+  }
+  return *impl.store;
+}
+
+comm::Group& Runtime::world_group() const {
+  comm::Store& s = store();
+  Impl& impl = *impl_;
+  std::lock_guard<std::mutex> lock(impl.mutex);
+  if (!impl.world_group) {
+    const Topology& t = impl.topology;
+    if (impl.device.is_cuda()) {
+      impl.world_group = comm::new_nccl_group(
+          s, t.rank, t.world_size, {.device = impl.device.index(), .flight_dump_dir = impl.run_dir / "flight"});
+    } else {
+      impl.world_group = comm::new_gloo_group(s, t.rank, t.world_size, {.flight_dump_dir = impl.run_dir / "flight"});
+    }
+  }
+  return *impl.world_group;
+}
+
+void Runtime::report_progress(int64_t step, double throughput, const std::string& state) const {
+  if (impl_->heartbeat) impl_->heartbeat->update(step, throughput, state);
 }
 
 std::unique_ptr<data::Reader> Runtime::open_dataset(const std::filesystem::path& dir,

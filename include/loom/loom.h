@@ -1,6 +1,8 @@
 // The umbrella header: everything a Loom user needs.
 #pragma once
 
+#include "loom/comm/gloo.h"
+#include "loom/comm/group.h"
 #include "loom/comm/store.h"
 #include "loom/config.h"
 #include "loom/data/dataset.h"

@@ -26,6 +26,10 @@
 
 namespace loom {
 
+namespace comm {
+class Group;
+class Store;
+}  // namespace comm
 namespace data {
 class Reader;
 struct ReaderOptions;
@@ -45,6 +49,8 @@ struct Topology {
   int local_rank = 0;
   int local_world_size = 1;
   std::string coordinator;  // "host:port", empty for a single process started by hand
+  int64_t generation = 0;   // LOOM_GENERATION: >= 1 under `loom run` (+1 per restart), else 0
+  std::string job_token;    // LOOM_JOB_TOKEN: presented to the coordinator
 
   static Topology from_env();
   void validate() const;
@@ -95,6 +101,18 @@ class Runtime {
   // data::Reader's.
   std::unique_ptr<data::Reader> open_dataset(const std::filesystem::path& dir,
                                              data::ReaderOptions options) const;
+
+  // The job's rendezvous store, created on first use: under `loom run` the coordinator's
+  // key-value store, its keys scoped to this generation; with LOOM_STORE_DIR a FileStore in
+  // that directory (processes on one host); for a single process an in-memory store.
+  // Otherwise (several ranks, no launcher) InvalidArgument saying how to start the job.
+  comm::Store& store() const;
+  // The group of all ranks, created on first use over store(): Gloo on CPU, NCCL on CUDA.
+  // Collective: every rank calls it. Its flight dumps go to <run_dir>/flight.
+  comm::Group& world_group() const;
+  // Under `loom run`: what the heartbeat (a background thread, once a second) reports to the
+  // coordinator for dashboards and hang detection. Thread-safe; a no-op otherwise.
+  void report_progress(int64_t step, double throughput, const std::string& state = "training") const;
 
  private:
   struct Impl;

@@ -99,6 +99,12 @@ Subprocess Subprocess::spawn(const SubprocessOptions& options) {
     LOOM_CHECK_SPAWN(
         ::posix_spawn_file_actions_adddup2(setup.actions(), STDOUT_FILENO, STDERR_FILENO), program);
   }
+  if (options.output_fd >= 0) {
+    LOOM_CHECK_SPAWN(::posix_spawn_file_actions_adddup2(setup.actions(), options.output_fd, STDOUT_FILENO),
+                     program);
+    LOOM_CHECK_SPAWN(
+        ::posix_spawn_file_actions_adddup2(setup.actions(), STDOUT_FILENO, STDERR_FILENO), program);
+  }
   if (options.cwd) {
     LOOM_CHECK_SPAWN(::posix_spawn_file_actions_addchdir_np(setup.actions(), options.cwd->c_str()),
                      program);

@@ -27,6 +27,7 @@ struct SubprocessOptions {
   std::vector<std::string> argv;                // argv[0] is the program; PATH is searched
   std::map<std::string, std::string> env;       // added to (or replacing in) the parent's env
   std::optional<std::filesystem::path> output;  // stdout+stderr appended here; else inherited
+  int output_fd = -1;  // when >= 0 (and no output): stdout+stderr go to this fd, e.g. a pipe
   std::optional<std::filesystem::path> cwd;     // working directory; else the parent's
   bool own_process_group = true;                // signals then reach the child's children too
 };

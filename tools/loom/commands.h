@@ -19,6 +19,9 @@ using Action = std::function<int()>;
 // `loom data build|verify|show`: datasets (data.cpp, data_build.cpp).
 void register_data(CLI::App& app, Action& action);
 
+// `loom run`: the launcher (run.cpp), present when built with gRPC.
+void register_run(CLI::App& app, Action& action);
+
 // `loom flight ...`: read the collectives' flight-recorder dumps (flight.cpp).
 void register_flight(CLI::App& app, Action& action);
 

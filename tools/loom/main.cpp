@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
       "unreadable input.\nRun 'loom <command> --help' for a command's usage.");
 
   loom::cli::Action action;
+  loom::cli::register_run(app, action);
   loom::cli::register_data(app, action);
   loom::cli::register_flight(app, action);
 

@@ -1,0 +1,61 @@
+// The coordinator of a Loom job: a gRPC server (proto/loom.proto) that `loom run` hosts on
+// node 0. It holds the rendezvous key-value store the workers' collectives bootstrap over,
+// the membership of the agents (one per node) and the generation they run, and the workers'
+// heartbeats and status. It decides when a generation ends (a worker failed, a worker or a
+// node went silent) and when the job is over; the agents act on that (docs/launcher.md).
+#pragma once
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace loom::control {
+
+struct CoordinatorOptions {
+  // host:port to listen on; port 0 picks a free port (address() says which).
+  std::string address = "127.0.0.1:0";
+  // Listening on anything but loopback exposes the job's store to the network: it needs this
+  // flag and a non-empty token.
+  bool allow_non_loopback = false;
+  // When non-empty, every call must carry it in the "loom-token" metadata entry.
+  std::string token;
+  int min_nodes = 1;  // a rendezvous round closes once this many agents joined and ...
+  int max_nodes = 1;  // ... this many joined, or last_call passed since min_nodes was reached
+  std::chrono::milliseconds last_call{std::chrono::seconds(2)};
+  // Generations ended by a failure (a worker exited with an error, died or went silent)
+  // beyond this many fail the job. A node lost or added does not count.
+  int max_restarts = 0;
+  // An agent silent this long is lost: its generation ends and the others re-rendezvous.
+  std::chrono::milliseconds node_timeout{std::chrono::seconds(5)};
+  // A worker that has sent a heartbeat in this generation and then stays silent this long is
+  // dead or hung: its generation ends (as a failure).
+  std::chrono::milliseconds worker_timeout{std::chrono::seconds(30)};
+  // Where it logs generations, failures and refused calls; null = spdlog's default logger.
+  std::shared_ptr<spdlog::logger> log;
+};
+
+// The running server. Thread-safe; the destructor shuts it down (blocked calls return).
+class Coordinator {
+ public:
+  // Starts listening. Bad options are InvalidArgument; an address it cannot bind is IoError.
+  explicit Coordinator(CoordinatorOptions options);
+  ~Coordinator();
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  // The address it listens on, with the port chosen ("127.0.0.1:40123").
+  const std::string& address() const;
+  // True once the job finished or failed for good.
+  bool done() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A fresh random job token (32 hex digits) from the system's entropy source.
+std::string generate_token();
+
+}  // namespace loom::control

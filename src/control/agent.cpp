@@ -1,0 +1,338 @@
+// The agent's loop: join a round, run the generation's workers, watch them and the
+// coordinator, stop and restart when the generation ends.
+#include "control/agent.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "control/client.h"
+#include "loom/control/coordinator.h"
+#include "loom/error.h"
+#include "util/fd.h"
+#include "util/subprocess.h"
+
+namespace loom::control {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+std::atomic<int> g_stop_signal{0};
+
+void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+// "[loom run] ..." lines on stderr: the agent's own voice beside the workers' output.
+std::mutex g_output_mutex;
+template <typename... Args>
+void say(const Args&... args) {
+  std::lock_guard<std::mutex> lock(g_output_mutex);
+  std::cerr << "[loom run] " << detail::concat(args...) << std::endl;
+}
+
+// One worker: its process, the read end of its output pipe, its log file.
+struct Worker {
+  int rank = 0;
+  util::Subprocess process;
+  int pipe_fd = -1;
+  std::ofstream log;
+  std::string partial;  // output after the last newline
+  std::optional<util::ExitStatus> status;
+};
+
+// Copies the workers' output, line by line, to stdout with a "[rank r] " prefix and to their
+// log files, until every pipe is closed (the workers exited).
+void pump_output(std::vector<Worker>& workers) {
+  std::vector<pollfd> fds;
+  for (Worker& w : workers) fds.push_back({w.pipe_fd, POLLIN, 0});
+  size_t open = fds.size();
+  char buffer[65536];
+  while (open > 0) {
+    if (::poll(fds.data(), fds.size(), 200) <= 0) continue;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      Worker& w = workers[i];
+      const ssize_t n = ::read(fds[i].fd, buffer, sizeof buffer);
+      if (n <= 0) {
+        if (!w.partial.empty()) w.partial += "\n";
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+        --open;
+      } else {
+        w.partial.append(buffer, static_cast<size_t>(n));
+      }
+      size_t newline;
+      std::lock_guard<std::mutex> lock(g_output_mutex);
+      while ((newline = w.partial.find('\n')) != std::string::npos) {
+        const std::string line = w.partial.substr(0, newline + 1);
+        std::cout << "[rank " << w.rank << "] " << line;
+        w.log << line;
+        w.partial.erase(0, newline + 1);
+      }
+      std::cout.flush();
+      w.log.flush();
+    }
+  }
+}
+
+class Agent {
+ public:
+  explicit Agent(const AgentOptions& options) : options_(options) {
+    LOOM_CHECK(!options.program.empty(), InvalidArgument, "no program to run: give it after --");
+    LOOM_CHECK(options.nproc_per_node >= 1, InvalidArgument, "--nproc-per-node must be >= 1, got ",
+               options.nproc_per_node);
+    LOOM_CHECK(options.min_nodes >= 1 && options.min_nodes <= options.max_nodes, InvalidArgument,
+               "--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got ", options.min_nodes, ":",
+               options.max_nodes);
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    node_id_ = detail::concat(host, ":", ::getpid());
+    if (options.host_coordinator || options.coordinator.empty()) {
+      coordinator_ = std::make_unique<Coordinator>(CoordinatorOptions{
+          .address = options.coordinator.empty() ? "127.0.0.1:0" : options.coordinator,
+          .allow_non_loopback = options.coordinator_public,
+          .token = options.token,
+          .min_nodes = options.min_nodes,
+          .max_nodes = options.max_nodes,
+          .last_call = options.last_call,
+          .max_restarts = options.max_restarts,
+          .node_timeout = options.node_timeout,
+          .worker_timeout = options.worker_timeout});
+      address_ = coordinator_->address();
+      say("coordinator listening on ", address_);
+    } else {
+      address_ = options.coordinator;
+    }
+    client_ = std::make_unique<CoordinatorClient>(address_, options.token, milliseconds(10000));
+    std::filesystem::create_directories(options.run_dir / "logs");
+  }
+
+  int run() {
+    int failures_seen = 0;
+    for (;;) {
+      const std::optional<v1::JoinReply> round = join();
+      if (!round) return 128 + g_stop_signal.load();
+      if (!round->admitted()) return finish_without_round(round->reason());
+      generation_ = round->generation();
+      say("generation ", round->generation(), ": node ", round->node_rank(), " of ", round->nnodes(), ", ranks ",
+          round->rank_offset(), "-", round->rank_offset() + options_.nproc_per_node - 1, " of world size ",
+          round->world_size());
+      const Outcome outcome = run_generation(*round);
+      if (outcome.exit_code >= 0) return linger(outcome.exit_code);
+      // The generation ended: back off (longer after repeated failures), then re-join.
+      ++failures_seen;
+      std::this_thread::sleep_for(std::min(milliseconds(200) * failures_seen, milliseconds(3000)));
+    }
+  }
+
+ private:
+  struct Outcome {
+    int exit_code = -1;  // >= 0: the job is over for this agent; -1: restart
+  };
+
+  // Joins the next rendezvous round, in short calls so that a stop signal is seen at once.
+  // nullopt when a signal stopped the wait.
+  std::optional<v1::JoinReply> join() {
+    const auto deadline = Clock::now() + options_.rendezvous_timeout;
+    for (;;) {
+      if (g_stop_signal.load() != 0) {
+        say("received signal ", g_stop_signal.load(), " while waiting for the other nodes: stopping");
+        return std::nullopt;
+      }
+      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+      v1::JoinRequest request;
+      request.set_node_id(node_id_);
+      request.set_nproc(options_.nproc_per_node);
+      request.set_node_rank_hint(options_.node_rank);
+      request.set_timeout_ms(std::clamp(left, milliseconds(0), milliseconds(1000)).count());
+      v1::JoinReply reply = client_->call("Join", &CoordinatorClient::Stub::Join, request, milliseconds(1000));
+      if (reply.admitted() || left <= milliseconds(0) || reply.reason().find("the job") == 0) return reply;
+    }
+  }
+
+  std::map<std::string, std::string> worker_env(const v1::JoinReply& round, int local_rank) const {
+    const int rank = round.rank_offset() + local_rank;
+    const auto s = [](auto v) { return std::to_string(v); };
+    return {{"LOOM_RANK", s(rank)},
+            {"LOOM_WORLD_SIZE", s(round.world_size())},
+            {"LOOM_LOCAL_RANK", s(local_rank)},
+            {"LOOM_LOCAL_WORLD_SIZE", s(options_.nproc_per_node)},
+            {"LOOM_NODE_RANK", s(round.node_rank())},
+            {"LOOM_NNODES", s(round.nnodes())},
+            {"LOOM_COORDINATOR", address_},
+            {"LOOM_GENERATION", s(round.generation())},
+            {"LOOM_RESTART_COUNT", s(round.restarts())},
+            {"LOOM_JOB_TOKEN", options_.token},
+            {"LOOM_RUN_DIR", options_.run_dir.string()},
+            // torchrun's names, for programs written against them. MASTER_ADDR/MASTER_PORT are
+            // not set: they name a c10d TCPStore, and the coordinator speaks gRPC.
+            {"RANK", s(rank)},
+            {"WORLD_SIZE", s(round.world_size())},
+            {"LOCAL_RANK", s(local_rank)},
+            {"LOCAL_WORLD_SIZE", s(options_.nproc_per_node)},
+            {"GROUP_RANK", s(round.node_rank())},
+            {"TORCHELASTIC_RESTART_COUNT", s(round.restarts())}};
+  }
+
+  std::vector<Worker> spawn_workers(const v1::JoinReply& round) {
+    std::vector<Worker> workers;
+    for (int local = 0; local < options_.nproc_per_node; ++local) {
+      int fds[2];
+      LOOM_CHECK_SYS(::pipe2(fds, O_CLOEXEC), "creating a pipe for a worker's output");
+      util::UniqueFd write_end(fds[1]);
+      Worker w{round.rank_offset() + local,
+               util::Subprocess::spawn({.argv = options_.program, .env = worker_env(round, local), .output_fd = fds[1]}),
+               fds[0]};
+      w.log.open(options_.run_dir / "logs" / detail::concat("worker_", w.rank, ".out"), std::ios::app);
+      w.log << "---- generation " << round.generation() << " ----\n";
+      workers.push_back(std::move(w));
+    }
+    return workers;
+  }
+
+  // Stops every worker still running: SIGTERM, then SIGKILL after the grace period.
+  void stop_workers(std::vector<Worker>& workers) {
+    for (Worker& w : workers) {
+      if (!w.status) w.process.signal(SIGTERM);
+    }
+    const auto deadline = Clock::now() + options_.grace;
+    for (Worker& w : workers) {
+      if (w.status) continue;
+      const auto left = std::max(milliseconds(0), std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
+      w.status = w.process.wait_for(left);
+      if (!w.status) {
+        say("rank ", w.rank, " did not stop within ", options_.grace.count(), " ms: SIGKILL");
+        w.process.signal(SIGKILL);
+        w.status = w.process.wait();
+      }
+    }
+  }
+
+  Outcome run_generation(const v1::JoinReply& round) {
+    std::vector<Worker> workers = spawn_workers(round);
+    std::thread pump([&workers] { pump_output(workers); });
+    Outcome outcome = watch(workers);
+    stop_workers(workers);
+    pump.join();
+    return outcome;
+  }
+
+  // Watches the workers and the coordinator until this generation is over for this node.
+  Outcome watch(std::vector<Worker>& workers) {
+    bool left = false;
+    for (;;) {
+      if (const int sig = g_stop_signal.load()) {
+        say("received signal ", sig, ": stopping the job");
+        leave(false, 128 + sig, detail::concat("loom run on node ", node_id_, " received signal ", sig));
+        return {128 + sig};
+      }
+      int running = 0;
+      for (Worker& w : workers) {
+        if (!w.status) w.status = w.process.wait_for(milliseconds(0));
+        if (!w.status) {
+          ++running;
+        } else if (!w.status->ok() && !failure_reported_) {
+          failure_reported_ = true;
+          const std::string reason = detail::concat("rank ", w.rank, " ", w.status->describe());
+          say(reason);
+          report_failure(w.status->code > 0 ? w.status->code : 128 + w.status->signal, reason);
+        }
+      }
+      if (running == 0 && !left && !failure_reported_) {
+        leave(true, 0, "");
+        left = true;
+      }
+      v1::HeartbeatRequest beat;
+      beat.set_node_id(node_id_);
+      beat.set_rank(-1);
+      beat.set_generation(generation_);
+      v1::HeartbeatReply reply;
+      try {
+        reply = client_->call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat);
+      } catch (const Error& e) {
+        say("lost the coordinator: ", e.what());
+        return {1};
+      }
+      switch (reply.state()) {
+        case v1::FINISHED:
+          return {0};
+        case v1::FAILED:
+          say("the job failed: ", reply.reason());
+          return {reply.exit_code() != 0 ? reply.exit_code() : 1};
+        case v1::ENDED:
+          say("generation ", generation_, " ended (", reply.reason(), "): restarting the workers");
+          failure_reported_ = false;
+          return {};
+        default:
+          break;
+      }
+      std::this_thread::sleep_for(options_.heartbeat_interval);
+    }
+  }
+
+  void report_failure(int code, const std::string& reason) {
+    v1::FailureRequest req;
+    req.set_node_id(node_id_);
+    req.set_generation(generation_);
+    req.set_exit_code(code);
+    req.set_reason(reason);
+    client_->call("ReportFailure", &CoordinatorClient::Stub::ReportFailure, req);
+  }
+
+  void leave(bool success, int code, const std::string& reason) {
+    v1::LeaveRequest req;
+    req.set_node_id(node_id_);
+    req.set_generation(generation_);
+    req.set_success(success);
+    req.set_exit_code(code);
+    req.set_reason(reason);
+    try {
+      client_->call("Leave", &CoordinatorClient::Stub::Leave, req);
+    } catch (const Error& e) {
+      say("could not tell the coordinator: ", e.what());
+    }
+  }
+
+  int finish_without_round(const std::string& reason) {
+    if (reason.find("already finished") != std::string::npos) return linger(0);
+    say("not admitted to a generation: ", reason);
+    return linger(1);
+  }
+
+  // The node hosting the coordinator stays up a little so the other agents hear the outcome.
+  int linger(int code) {
+    if (coordinator_) std::this_thread::sleep_for(options_.heartbeat_interval * 3);
+    return code;
+  }
+
+  // Constant after construction.
+  const AgentOptions& options_;
+  std::string node_id_;
+  std::string address_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<CoordinatorClient> client_;
+  // Owned by the agent's thread.
+  int64_t generation_ = 0;
+  bool failure_reported_ = false;
+};
+
+}  // namespace
+
+int run_agent(const AgentOptions& options) {
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  ::sigaction(SIGINT, &action, nullptr);
+  ::sigaction(SIGTERM, &action, nullptr);
+  Agent agent(options);
+  return agent.run();
+}
+
+}  // namespace loom::control

@@ -1,0 +1,40 @@
+// The launcher's agent: one per node. It rendezvouses with the other agents through the
+// coordinator (hosting it on node 0), spawns this node's workers with their environment,
+// relays their output with a rank prefix, heartbeats, and restarts the workers whenever the
+// coordinator ends their generation. `loom run` is a command line around run_agent().
+// Private to Loom (the `loom` tool and the tests use it); docs/launcher.md.
+#pragma once
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace loom::control {
+
+struct AgentOptions {
+  std::vector<std::string> program;      // the worker's argv
+  int nproc_per_node = 1;                // workers on this node
+  int min_nodes = 1;                     // --nnodes MIN:MAX
+  int max_nodes = 1;
+  int node_rank = -1;                    // orders the nodes; node 0 hosts the coordinator
+  std::string coordinator;               // host:port; empty = host one on 127.0.0.1, any port
+  bool host_coordinator = false;         // host it at `coordinator` (node 0 does)
+  bool coordinator_public = false;       // allow listening beyond loopback (needs the token)
+  std::string token;                     // the job token; every RPC carries it
+  int max_restarts = 0;                  // failures tolerated before the job fails
+  std::filesystem::path run_dir = "runs/loom-run";
+  std::chrono::milliseconds grace{std::chrono::seconds(10)};  // SIGTERM -> SIGKILL
+  std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(120)};
+  std::chrono::milliseconds heartbeat_interval{std::chrono::milliseconds(500)};
+  std::chrono::milliseconds node_timeout{std::chrono::seconds(5)};
+  std::chrono::milliseconds worker_timeout{std::chrono::seconds(60)};
+  std::chrono::milliseconds last_call{std::chrono::seconds(2)};
+};
+
+// Runs the job on this node until it finishes, fails or is stopped by SIGINT/SIGTERM (which it
+// installs handlers for). Returns the exit code: 0, the first failed worker's code, or 128 +
+// the signal. Bad options are InvalidArgument.
+int run_agent(const AgentOptions& options);
+
+}  // namespace loom::control

@@ -1,0 +1,91 @@
+#include "control/heartbeat.h"
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <csignal>
+#include <mutex>
+#include <thread>
+
+#include "control/client.h"
+
+namespace loom::control {
+
+struct Heartbeat::Impl {
+  // Constant after construction.
+  HeartbeatOptions options;
+  CoordinatorClient client;
+  pid_t parent = ::getppid();  // the agent that started this worker
+
+  // State below is protected by mutex.
+  std::mutex mutex;
+  std::condition_variable wake;
+  bool stop = false;
+  int64_t step = 0;
+  double throughput = 0;
+  std::string state = "starting";
+
+  std::thread thread;
+
+  explicit Impl(HeartbeatOptions o)
+      : options(std::move(o)), client(options.address, options.token, std::chrono::seconds(5)) {
+    thread = std::thread([this] { loop(); });
+  }
+
+  void loop() {
+    int64_t dumps_seen = -1;
+    bool reachable = true;
+    bool terminated = false;
+    std::unique_lock<std::mutex> lock(mutex);
+    while (!stop) {
+      v1::HeartbeatRequest beat;
+      beat.set_rank(options.rank);
+      beat.set_generation(options.generation);
+      beat.set_step(step);
+      beat.set_throughput(throughput);
+      beat.set_state(state);
+      lock.unlock();
+      try {
+        const auto reply = client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat);
+        if (!reachable && options.log) options.log->info("heartbeat: the coordinator answers again");
+        reachable = true;
+        if (dumps_seen >= 0 && reply.flight_dump_epoch() > dumps_seen && options.on_flight_dump) {
+          options.on_flight_dump();
+        }
+        dumps_seen = reply.flight_dump_epoch();
+        // Orphaned (the agent died) in a generation that is over: nobody will stop this worker,
+        // and its peers are gone. SIGTERM lets a trainer that handles it exit cleanly.
+        if (reply.state() != v1::RUNNING && ::getppid() != parent && !terminated) {
+          if (options.log) options.log->error("heartbeat: generation {} is over and this worker's launcher is gone: stopping", options.generation);
+          terminated = true;
+          std::raise(SIGTERM);
+        }
+      } catch (const std::exception& e) {
+        if (reachable && options.log) options.log->warn("heartbeat: {}", e.what());
+        reachable = false;
+      }
+      lock.lock();
+      wake.wait_for(lock, options.interval, [&] { return stop; });
+    }
+  }
+};
+
+Heartbeat::Heartbeat(HeartbeatOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+
+Heartbeat::~Heartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->stop = true;
+  }
+  impl_->wake.notify_all();
+  impl_->thread.join();
+}
+
+void Heartbeat::update(int64_t step, double throughput, const std::string& state) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->step = step;
+  impl_->throughput = throughput;
+  impl_->state = state;
+}
+
+}  // namespace loom::control

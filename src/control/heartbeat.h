@@ -1,0 +1,43 @@
+// A worker's heartbeat to the coordinator, from a background thread, while the worker runs
+// under `loom run`. It carries the training progress the worker last reported, and turns a
+// flight-dump request into a call of the given callback. Private to Loom (Runtime owns one).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <spdlog/spdlog.h>
+
+namespace loom::control {
+
+struct HeartbeatOptions {
+  std::string address;  // the coordinator
+  std::string token;
+  int rank = 0;
+  int64_t generation = 0;
+  std::chrono::milliseconds interval{std::chrono::seconds(1)};
+  std::function<void()> on_flight_dump;  // called on the heartbeat thread
+  std::shared_ptr<spdlog::logger> log;
+};
+
+// Starts beating at construction; the destructor stops and joins the thread. update() is
+// thread-safe. A coordinator that cannot be reached is logged (once per outage), not thrown:
+// the launcher decides what a lost coordinator means.
+class Heartbeat {
+ public:
+  explicit Heartbeat(HeartbeatOptions options);
+  ~Heartbeat();
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+
+  void update(int64_t step, double throughput, const std::string& state);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace loom::control

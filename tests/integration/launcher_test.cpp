@@ -1,0 +1,224 @@
+// `loom run` end to end with real processes: agents, the coordinator, workers that
+// rendezvous and all-reduce through it, restarts after a SIGKILL, elastic shrinking when a
+// node's agent dies, job tokens, and argument errors. Timings are printed, not asserted
+// tightly: they are figures for docs/launcher.md.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <csignal>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "harness/harness.h"
+#include "util/files.h"
+#include "util/subprocess.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+using testing::TempDir;
+
+const std::string kLoom = LOOM_BINARY_DIR "/tools/loom/loom";
+const std::string kProbe = LOOM_BINARY_DIR "/tests/loom_launch_probe";
+
+// A free TCP port on loopback (bound, read, released).
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct Launch {
+  util::Subprocess process;
+  fs::path output;
+  std::string text() const { return fs::exists(output) ? util::read_file(output) : ""; }
+};
+
+Launch launch(const TempDir& dir, const std::string& name, std::vector<std::string> args,
+              const std::vector<std::string>& probe_args, std::map<std::string, std::string> env = {}) {
+  std::vector<std::string> argv = {kLoom, "run", "--run-dir", (dir / "run").string()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  argv.push_back("--");
+  argv.push_back(kProbe);
+  argv.insert(argv.end(), probe_args.begin(), probe_args.end());
+  const fs::path output = dir / (name + ".out");
+  return {util::Subprocess::spawn({.argv = argv, .env = env, .output = output}), output};
+}
+
+// The probe records of a generation, once `count` ranks wrote theirs (or the timeout).
+std::vector<json> wait_probes(const TempDir& dir, int generation, int count, std::chrono::seconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    std::vector<json> found;
+    for (int r = 0; r < 16; ++r) {
+      const fs::path f = dir / "run" / "probe" / ("gen" + std::to_string(generation) + "_rank" + std::to_string(r) + ".json");
+      if (fs::exists(f)) found.push_back(json::parse(util::read_file(f)));
+    }
+    if (static_cast<int>(found.size()) >= count || Clock::now() > deadline) return found;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+int finish(Launch& l, std::chrono::seconds timeout = std::chrono::seconds(60)) {
+  auto status = l.process.wait_for(timeout);
+  if (!status) {
+    l.process.signal(SIGKILL);
+    ADD_FAILURE() << "loom run did not finish; its output:\n" << l.text();
+    return -1;
+  }
+  return status->signal ? 128 + status->signal : status->code;
+}
+
+TEST(Launcher, OneNodeTwoWorkersRendezvousAndAllReduce) {
+  TempDir dir;
+  Launch job = launch(dir, "job", {"--nproc-per-node", "2"}, {});
+  ASSERT_EQ(finish(job), 0) << job.text();
+  const auto probes = wait_probes(dir, 1, 2, std::chrono::seconds(1));
+  ASSERT_EQ(probes.size(), 2u) << job.text();
+  for (const json& p : probes) {
+    EXPECT_EQ(p["world"], 2);
+    EXPECT_EQ(p["sum"], 3.0);
+  }
+  EXPECT_NE(job.text().find("[rank 1] "), std::string::npos) << job.text();
+  EXPECT_TRUE(fs::exists(dir / "run" / "logs" / "worker_1.out"));
+}
+
+TEST(Launcher, TwoAgentsTimesTwoWorkers) {
+  TempDir dir;
+  const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
+  const auto start = Clock::now();
+  Launch node0 = launch(dir, "node0", {"--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "0", "--coordinator", coordinator}, {});
+  Launch node1 = launch(dir, "node1", {"--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1", "--coordinator", coordinator}, {});
+  EXPECT_EQ(finish(node1), 0) << node1.text();
+  EXPECT_EQ(finish(node0), 0) << node0.text();
+  const auto probes = wait_probes(dir, 1, 4, std::chrono::seconds(1));
+  ASSERT_EQ(probes.size(), 4u) << node0.text() << node1.text();
+  for (const json& p : probes) {
+    EXPECT_EQ(p["world"], 4);
+    EXPECT_EQ(p["sum"], 10.0);
+  }
+  std::printf("two agents x two workers: job done in %.2f s\n",
+              std::chrono::duration<double>(Clock::now() - start).count());
+}
+
+TEST(Launcher, RendezvousOfEightWorkers) {
+  TempDir dir;
+  const int64_t start_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               std::chrono::system_clock::now().time_since_epoch()).count();
+  Launch job = launch(dir, "job", {"--nproc-per-node", "8"}, {"--run.threads=1"});
+  ASSERT_EQ(finish(job, std::chrono::seconds(120)), 0) << job.text();
+  const auto probes = wait_probes(dir, 1, 8, std::chrono::seconds(1));
+  ASSERT_EQ(probes.size(), 8u);
+  int64_t last = 0;
+  for (const json& p : probes) {
+    EXPECT_EQ(p["sum"], 36.0);
+    last = std::max<int64_t>(last, p["ready_ms"]);
+  }
+  std::printf("rendezvous of 8 local workers: %lld ms from `loom run` to every rank's first all-reduce done\n",
+              static_cast<long long>(last - start_ms));
+}
+
+TEST(Launcher, KilledWorkerRestartsTheGeneration) {
+  TempDir dir;
+  Launch job = launch(dir, "job", {"--nproc-per-node", "2", "--max-restarts", "2", "--grace-period", "2"},
+                      {"--probe.steps=30", "--probe.step_ms=100"});
+  const auto gen1 = wait_probes(dir, 1, 2, std::chrono::seconds(60));
+  ASSERT_EQ(gen1.size(), 2u) << job.text();
+  const auto killed_at = Clock::now();
+  ASSERT_EQ(::kill(gen1[1]["pid"].get<int>(), SIGKILL), 0);
+  const auto gen2 = wait_probes(dir, 2, 2, std::chrono::seconds(60));
+  ASSERT_EQ(gen2.size(), 2u) << job.text();
+  const double latency = std::chrono::duration<double>(Clock::now() - killed_at).count();
+  std::printf("restart latency: %.2f s from SIGKILL of rank 1 to both ranks of generation 2 past their first all-reduce\n",
+              latency);
+  EXPECT_LT(latency, 30.0);
+  for (const json& p : gen2) EXPECT_EQ(p["generation"], 2);
+  EXPECT_EQ(finish(job), 0) << job.text();
+  EXPECT_NE(job.text().find("rank 1 killed by signal 9"), std::string::npos) << job.text();
+}
+
+TEST(Launcher, FailuresBeyondMaxRestartsFailTheJobWithTheWorkersCode) {
+  TempDir dir;
+  Launch job = launch(dir, "job", {"--nproc-per-node", "2", "--max-restarts", "1"}, {"--probe.exit_code=7"});
+  EXPECT_EQ(finish(job), 7) << job.text();
+  EXPECT_EQ(wait_probes(dir, 2, 2, std::chrono::seconds(1)).size(), 2u) << "one restart happened";
+}
+
+TEST(Launcher, ElasticJobContinuesWhenANodeIsLost) {
+  TempDir dir;
+  const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
+  const std::vector<std::string> common = {"--nnodes", "1:2", "--nproc-per-node", "2", "--coordinator", coordinator,
+                                           "--node-timeout", "2", "--last-call", "1", "--grace-period", "2"};
+  auto args = [&](int node) {
+    auto a = common;
+    a.insert(a.end(), {"--node-rank", std::to_string(node)});
+    return a;
+  };
+  const std::vector<std::string> probe = {"--probe.steps=40", "--probe.step_ms=100"};
+  Launch node0 = launch(dir, "node0", args(0), probe);
+  Launch node1 = launch(dir, "node1", args(1), probe);
+  const auto gen1 = wait_probes(dir, 1, 4, std::chrono::seconds(60));
+  ASSERT_EQ(gen1.size(), 4u) << node0.text() << node1.text();
+  for (const json& p : gen1) EXPECT_EQ(p["world"], 4);
+  node1.process.signal(SIGKILL);  // the agent of node 1 dies; its workers are orphaned
+  const auto gen2 = wait_probes(dir, 2, 2, std::chrono::seconds(60));
+  ASSERT_EQ(gen2.size(), 2u) << node0.text();
+  for (const json& p : gen2) {
+    EXPECT_EQ(p["world"], 2);
+    EXPECT_EQ(p["sum"], 3.0);
+  }
+  EXPECT_EQ(finish(node0), 0) << node0.text();
+  EXPECT_NE(node0.text().find("lost"), std::string::npos) << node0.text();
+}
+
+TEST(Launcher, WrongTokenIsRefused) {
+  TempDir dir;
+  const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
+  const std::vector<std::string> common = {"--nnodes", "2", "--coordinator", coordinator, "--rendezvous-timeout", "20"};
+  auto a0 = common;
+  a0.insert(a0.end(), {"--node-rank", "0"});
+  auto a1 = common;
+  a1.insert(a1.end(), {"--node-rank", "1"});
+  Launch node0 = launch(dir, "node0", a0, {}, {{"LOOM_JOB_TOKEN", "right-token"}});
+  Launch intruder = launch(dir, "node1", a1, {}, {{"LOOM_JOB_TOKEN", "wrong-token"}});
+  EXPECT_EQ(finish(intruder), 1) << intruder.text();
+  EXPECT_NE(intruder.text().find("refused the job token"), std::string::npos) << intruder.text();
+  node0.process.signal(SIGTERM);
+  EXPECT_EQ(finish(node0), 128 + SIGTERM) << node0.text();
+  EXPECT_NE(node0.text().find("refused Join"), std::string::npos) << node0.text();
+}
+
+TEST(Launcher, BadArgumentsAreClearErrors) {
+  TempDir dir;
+  auto run = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), {kLoom, "run"});
+    return testing::run_program(args, dir.path());
+  };
+  auto r = run({"--nproc-per-node", "2"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("program"), std::string::npos) << r.output;
+  r = run({"--nnodes", "3:2", "--", kProbe});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("MIN:MAX"), std::string::npos) << r.output;
+  r = run({"--nnodes", "2", "--", kProbe});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--coordinator"), std::string::npos) << r.output;
+  r = run({"--coordinator", "0.0.0.0:0", "--node-rank", "0", "--", kProbe});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--coordinator-public"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,46 @@
+// A worker for the launcher tests: joins the world group through Runtime (the coordinator's
+// store under `loom run`), all-reduces its rank, records what it saw in
+// <run_dir>/probe/gen<g>_rank<r>.json, then runs `probe.steps` steps of `probe.step_ms`,
+// reporting progress through the heartbeat.
+#include <loom/loom.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <fstream>
+#include <thread>
+
+int main(int argc, char** argv) {
+  loom::ConfigSchema keys;
+  keys.add("probe.steps", 0, "steps after the all-reduce");
+  keys.add("probe.step_ms", 100, "milliseconds per step");
+  keys.add("probe.exit_code", 0, "exit with this code after the steps");
+  return loom::run_main(argc, argv, keys, [](loom::Runtime& rt) {
+    const auto now_ms = [] {
+      return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+    };
+    loom::comm::Group& group = rt.world_group();
+    at::Tensor t = at::full({4}, static_cast<float>(rt.rank() + 1));
+    group.all_reduce(t)->wait();
+    const int64_t ready_ms = now_ms();
+    const int64_t generation = rt.topology().generation;
+    const auto dir = rt.run_dir() / "probe";
+    std::filesystem::create_directories(dir);
+    {
+      const auto file = dir / ("gen" + std::to_string(generation) + "_rank" + std::to_string(rt.rank()) + ".json");
+      std::ofstream(file.string() + ".tmp") << "{\"rank\": " << rt.rank() << ", \"world\": " << rt.world_size()
+                                             << ", \"generation\": " << generation << ", \"sum\": "
+                                             << t[0].item<float>() << ", \"pid\": " << ::getpid()
+                                             << ", \"ready_ms\": " << ready_ms << "}\n";
+      std::filesystem::rename(file.string() + ".tmp", file);
+    }
+    for (int64_t step = 0; step < rt.config().get<int64_t>("probe.steps"); ++step) {
+      rt.report_progress(step, 1.0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(rt.config().get<int64_t>("probe.step_ms")));
+    }
+    const int code = static_cast<int>(rt.config().get<int64_t>("probe.exit_code"));
+    if (code != 0) std::exit(code);
+  });
+}
