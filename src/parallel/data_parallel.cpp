@@ -291,7 +291,7 @@ struct DataParallel::Impl {
     p.ready = true;
     ++arrived;
     --buckets[p.bucket].pending;
-    launch_ready_buckets(/*during_backward=*/true);
+    if (options.overlap) launch_ready_buckets(/*during_backward=*/true);
   }
 
   void launch_ready_buckets(bool during_backward) {
@@ -351,8 +351,8 @@ struct DataParallel::Impl {
           --buckets[p.bucket].pending;
         }
       }
-      launch_ready_buckets(/*during_backward=*/false);
     }
+    launch_ready_buckets(/*during_backward=*/false);  // the rest (all of them without overlap)
     const Clock::time_point deadline = start + options.timeout;
     for (int b = 0; b < static_cast<int>(buckets.size()); ++b) {
       try {

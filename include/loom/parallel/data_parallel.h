@@ -68,6 +68,9 @@ struct DataParallelOptions {
   // optimizer updates the masters and the parameters are rounded from them. Optimizer state is
   // always fp32.
   bool master_weights = true;
+  // false: buckets are reduced only in finish_gradient_sync, after backward (to measure what
+  // overlap hides; never faster).
+  bool overlap = true;
 };
 
 // What the last finish_gradient_sync cost; for benchmarks and logs.
