@@ -40,8 +40,8 @@ struct Settings {
   int64_t heads = 6;
   int64_t seq = 64;
   int64_t batch = 4;  // sequences per rank per step
-  int steps = 5;      // measured
-  int warmup = 2;
+  int steps = 6;      // measured rounds (one step of every case each)
+  int warmup = 1;
   int threads = 1;    // intra-op threads per rank (2 cores, 2 ranks: 1)
   double bucket_mib = 25;
   bool json = false;
@@ -111,6 +111,8 @@ struct CaseResult {
   double step_ms = 0;           // median
   double comm_exposed_ms = 0;   // median time blocked on gradient communication
   int64_t state_bytes = 0;      // optimizer state (+ masters) on this rank
+  int buckets = 0;              // DataParallel buckets
+  int buckets_during_backward = 0;  // of them, reduced while backward still ran (last step)
 };
 
 torch::Tensor loss_of(Gpt& model, const Settings& s, int rank, int step) {
@@ -144,66 +146,121 @@ int64_t adamw_state_bytes(torch::optim::AdamW& opt) {
   return bytes;
 }
 
+// One way of training; step() runs one full step and returns {step ms, communication ms}.
+class Case {
+ public:
+  virtual ~Case() = default;
+  virtual std::pair<double, double> step(int index) = 0;
+  virtual CaseResult result() const = 0;
+
+  void record(std::pair<double, double> times) {
+    steps_.push_back(times.first);
+    comm_.push_back(times.second);
+  }
+  CaseResult medians() const { return {median(steps_), median(comm_)}; }
+
+ private:
+  std::vector<double> steps_, comm_;
+};
+
 // The plain way: backward, then all-reduce every gradient (sum, then divide), then step.
-CaseResult run_baseline(loom::comm::Group& group, const Settings& s) {
-  auto model = make_model(s);
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
-  std::vector<double> steps, comm;
-  for (int i = 0; i < s.warmup + s.steps; ++i) {
-    group.barrier()->wait();
+class BaselineCase final : public Case {
+ public:
+  BaselineCase(loom::comm::Group& group, const Settings& s)
+      : group_(group), s_(s), model_(make_model(s)),
+        opt_(model_->parameters(), torch::optim::AdamWOptions(1e-4)) {}
+  std::pair<double, double> step(int index) override {
     const auto start = Clock::now();
-    opt.zero_grad();
-    loss_of(*model, s, group.rank(), i).backward();
+    opt_.zero_grad();
+    loss_of(*model_, s_, group_.rank(), index).backward();
     const auto comm_start = Clock::now();
-    for (auto& p : model->parameters()) {
+    for (auto& p : model_->parameters()) {
       at::Tensor grad = p.grad();
-      group.all_reduce(grad)->wait();
-      grad.div_(group.size());
+      group_.all_reduce(grad)->wait();
+      grad.div_(group_.size());
     }
     const double comm_ms = ms_since(comm_start);
-    opt.step();
-    if (i >= s.warmup) {
-      steps.push_back(ms_since(start));
-      comm.push_back(comm_ms);
-    }
+    opt_.step();
+    return {ms_since(start), comm_ms};
   }
-  return {median(steps), median(comm), adamw_state_bytes(opt)};
-}
+  CaseResult result() const override {
+    CaseResult r = medians();
+    r.state_bytes = adamw_state_bytes(const_cast<torch::optim::AdamW&>(opt_));
+    return r;
+  }
 
-CaseResult run_loom(loom::comm::Group& group, const Settings& s,
-                    loom::parallel::ZeroStage stage, bool overlap) {
-  auto model = make_model(s);
-  loom::parallel::DataParallelOptions options;
-  options.bucket_bytes = static_cast<size_t>(s.bucket_mib * (1 << 20));
-  options.zero_stage = stage;
-  options.overlap = overlap;
-  loom::parallel::DataParallel dp(model, group, options);
-  std::unique_ptr<torch::optim::AdamW> torch_opt;
-  if (stage == loom::parallel::ZeroStage::kNone) {
-    torch_opt = std::make_unique<torch::optim::AdamW>(model->parameters(),
-                                                      torch::optim::AdamWOptions(1e-4));
-  } else {
-    dp.set_optimizer(std::make_unique<loom::optim::AdamW>(loom::optim::AdamWOptions{.lr = 1e-4}));
-  }
-  std::vector<double> steps, comm;
-  for (int i = 0; i < s.warmup + s.steps; ++i) {
-    group.barrier()->wait();
-    const auto start = Clock::now();
-    dp.zero_grad();
-    loss_of(*model, s, group.rank(), i).backward();
-    dp.finish_gradient_sync();
-    if (torch_opt) {
-      torch_opt->step();
+ private:
+  loom::comm::Group& group_;
+  const Settings& s_;
+  std::shared_ptr<Gpt> model_;
+  torch::optim::AdamW opt_;
+};
+
+class LoomCase final : public Case {
+ public:
+  LoomCase(loom::comm::Group& group, const Settings& s, loom::parallel::ZeroStage stage,
+           bool overlap)
+      : group_(group), s_(s), model_(make_model(s)),
+        dp_(model_, group, options(s, stage, overlap)) {
+    if (stage == loom::parallel::ZeroStage::kNone) {
+      torch_opt_ = std::make_unique<torch::optim::AdamW>(model_->parameters(),
+                                                         torch::optim::AdamWOptions(1e-4));
     } else {
-      dp.step();
-    }
-    if (i >= s.warmup) {
-      steps.push_back(ms_since(start));
-      comm.push_back(dp.last_sync_stats().wait_seconds * 1e3);
+      dp_.set_optimizer(
+          std::make_unique<loom::optim::AdamW>(loom::optim::AdamWOptions{.lr = 1e-4}));
     }
   }
-  const int64_t bytes = torch_opt ? adamw_state_bytes(*torch_opt) : dp.optimizer_state_bytes();
-  return {median(steps), median(comm), bytes};
+  std::pair<double, double> step(int index) override {
+    const auto start = Clock::now();
+    dp_.zero_grad();
+    loss_of(*model_, s_, group_.rank(), index).backward();
+    dp_.finish_gradient_sync();
+    if (torch_opt_) {
+      torch_opt_->step();
+    } else {
+      dp_.step();
+    }
+    return {ms_since(start), dp_.last_sync_stats().wait_seconds * 1e3};
+  }
+  CaseResult result() const override {
+    CaseResult r = medians();
+    r.state_bytes = torch_opt_ ? adamw_state_bytes(*torch_opt_) : dp_.optimizer_state_bytes();
+    r.buckets = dp_.last_sync_stats().buckets;
+    r.buckets_during_backward = dp_.last_sync_stats().buckets_launched_during_backward;
+    return r;
+  }
+
+ private:
+  static loom::parallel::DataParallelOptions options(const Settings& s,
+                                                     loom::parallel::ZeroStage stage,
+                                                     bool overlap) {
+    loom::parallel::DataParallelOptions o;
+    o.bucket_bytes = static_cast<size_t>(s.bucket_mib * (1 << 20));
+    o.zero_stage = stage;
+    o.overlap = overlap;
+    return o;
+  }
+  loom::comm::Group& group_;
+  const Settings& s_;
+  std::shared_ptr<Gpt> model_;
+  loom::parallel::DataParallel dp_;
+  std::unique_ptr<torch::optim::AdamW> torch_opt_;
+};
+
+// Rounds of one step of every case in turn, so that load from other processes on this shared
+// machine falls on all cases alike; the median over the measured rounds.
+std::vector<CaseResult> measure(std::vector<std::unique_ptr<Case>>& cases,
+                                loom::comm::Group& group, const Settings& s) {
+  for (int round = 0; round < s.warmup + s.steps; ++round) {
+    for (auto& c : cases) {
+      group.barrier()->wait();
+      const auto times = c->step(round);
+      if (round >= s.warmup) c->record(times);
+    }
+  }
+  std::vector<CaseResult> results;
+  for (auto& c : cases) results.push_back(c->result());
+  return results;
 }
 
 void emit(const Settings& s, loom::bench::Row row) {
@@ -226,20 +283,28 @@ void run_worker(const Settings& s) {
   const std::string suffix = "/" + std::to_string(s.ranks) + "ranks";
   using loom::parallel::ZeroStage;
 
-  const CaseResult base = run_baseline(*group, s);
-  const CaseResult no_overlap = run_loom(*group, s, ZeroStage::kNone, false);
-  const CaseResult ddp = run_loom(*group, s, ZeroStage::kNone, true);
-  const CaseResult zero1 = run_loom(*group, s, ZeroStage::kOne, true);
-  const CaseResult zero2 = run_loom(*group, s, ZeroStage::kTwo, true);
+  std::vector<std::unique_ptr<Case>> cases;
+  cases.push_back(std::make_unique<BaselineCase>(*group, s));
+  cases.push_back(std::make_unique<LoomCase>(*group, s, ZeroStage::kNone, false));
+  cases.push_back(std::make_unique<LoomCase>(*group, s, ZeroStage::kNone, true));
+  cases.push_back(std::make_unique<LoomCase>(*group, s, ZeroStage::kOne, true));
+  cases.push_back(std::make_unique<LoomCase>(*group, s, ZeroStage::kTwo, true));
+  const std::vector<CaseResult> results = measure(cases, *group, s);
+  const CaseResult& base = results[0];
+  const CaseResult& no_overlap = results[1];
+  const CaseResult& ddp = results[2];
+  const CaseResult& zero1 = results[3];
+  const CaseResult& zero2 = results[4];
   if (!print) return;
 
   auto model = make_model(s);
   const double params_m = parameter_count(*model) / 1e6;
   if (!s.json) {
     std::printf("bench_train --mode=ddp: %.1fM-parameter transformer (%lld layers, dim %lld, "
-                "vocab %lld), %lld x %lld tokens per rank, %d ranks, %d thread(s) each\n",
+                "vocab %lld), %lld x %lld tokens per rank, %d ranks, %d thread(s) each, "
+                "buckets of %.3g MiB, median of %d interleaved rounds\n",
                 params_m, (long long)s.layers, (long long)s.dim, (long long)s.vocab,
-                (long long)s.batch, (long long)s.seq, s.ranks, s.threads);
+                (long long)s.batch, (long long)s.seq, s.ranks, s.threads, s.bucket_mib, s.steps);
     std::printf("%-22s %12s %12s  %-26s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
                 "unit", "ratio");
   }
@@ -250,6 +315,10 @@ void run_worker(const Settings& s) {
     row.extra["comm_exposed_ms"] = r.comm_exposed_ms;
     row.extra["baseline_comm_ms"] = base.comm_exposed_ms;
     row.extra["params_m"] = params_m;
+    if (r.buckets > 0) {
+      row.extra["buckets"] = r.buckets;
+      row.extra["buckets_during_backward"] = r.buckets_during_backward;
+    }
     return row;
   };
   emit(s, time_row("step/ddp_no_overlap", no_overlap));

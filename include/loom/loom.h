@@ -5,5 +5,8 @@
 #include "loom/config.h"
 #include "loom/error.h"
 #include "loom/log.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/parallel/optim.h"
+#include "loom/parallel/zero.h"
 #include "loom/runtime.h"
 #include "loom/version.h"

@@ -119,7 +119,7 @@ struct DataParallel::Impl {
   bool sync = true;
   int arrived = 0;      // parameters ready in the current synced backward
   int next_bucket = 0;  // buckets are launched in index order on every rank
-  bool in_finish = false;
+  int launched_in_backward = 0;  // buckets launched by hooks in the current sync window
   SyncStats stats;
   std::unique_ptr<optim::FlatOptimizer> optimizer;
   int64_t steps = 0;
@@ -297,7 +297,7 @@ struct DataParallel::Impl {
   void launch_ready_buckets(bool during_backward) {
     while (next_bucket < static_cast<int>(buckets.size()) && buckets[next_bucket].pending == 0) {
       launch(next_bucket++);
-      if (during_backward) ++stats.buckets_launched_during_backward;
+      if (during_backward) ++launched_in_backward;
     }
   }
 
@@ -320,6 +320,7 @@ struct DataParallel::Impl {
     }
     arrived = 0;
     next_bucket = 0;
+    launched_in_backward = 0;
   }
 
   void finish_gradient_sync() {
@@ -369,6 +370,7 @@ struct DataParallel::Impl {
       }
     }
     stats.buckets = static_cast<int>(buckets.size());
+    stats.buckets_launched_during_backward = launched_in_backward;
     stats.wait_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   }
 
@@ -600,7 +602,6 @@ void DataParallel::zero_grad() {
     bucket.grad.zero_();
     if (bucket.grad_shard.defined()) bucket.grad_shard.zero_();
   }
-  impl_->stats = {};
 }
 
 double DataParallel::clip_grad_norm(double max_norm) { return impl_->clip_grad_norm(max_norm); }
