@@ -12,17 +12,17 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
-#include <unistd.h>
 
 #include "bench_report.h"
-#include "loom/comm/store.h"
 #include "loom/comm/gloo.h"
+#include "loom/comm/store.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
 #include "util/subprocess.h"
@@ -42,7 +42,7 @@ struct Settings {
   int64_t batch = 4;  // sequences per rank per step
   int steps = 6;      // measured rounds (one step of every case each)
   int warmup = 1;
-  int threads = 1;    // intra-op threads per rank (2 cores, 2 ranks: 1)
+  int threads = 1;  // intra-op threads per rank (2 cores, 2 ranks: 1)
   double bucket_mib = 25;
   bool json = false;
   int worker_rank = -1;
@@ -79,8 +79,8 @@ struct Gpt : torch::nn::Module {
     tok = register_module("tok", torch::nn::Embedding(s.vocab, s.dim));
     pos = register_module("pos", torch::nn::Embedding(s.seq, s.dim));
     for (int64_t i = 0; i < s.layers; ++i) {
-      blocks.push_back(register_module("block" + std::to_string(i),
-                                       std::make_shared<Block>(s.dim, s.heads)));
+      blocks.push_back(
+          register_module("block" + std::to_string(i), std::make_shared<Block>(s.dim, s.heads)));
     }
     lnf = register_module("lnf", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.dim})));
     head = register_module("head",
@@ -108,10 +108,10 @@ int64_t parameter_count(torch::nn::Module& m) {
 // --- the cases -------------------------------------------------------------------------------
 
 struct CaseResult {
-  double step_ms = 0;           // median
-  double comm_exposed_ms = 0;   // median time blocked on gradient communication
-  int64_t state_bytes = 0;      // optimizer state (+ masters) on this rank
-  int buckets = 0;              // DataParallel buckets
+  double step_ms = 0;               // median
+  double comm_exposed_ms = 0;       // median time blocked on gradient communication
+  int64_t state_bytes = 0;          // optimizer state (+ masters) on this rank
+  int buckets = 0;                  // DataParallel buckets
   int buckets_during_backward = 0;  // of them, reduced while backward still ran (last step)
 };
 
@@ -167,7 +167,9 @@ class Case {
 class BaselineCase final : public Case {
  public:
   BaselineCase(loom::comm::Group& group, const Settings& s)
-      : group_(group), s_(s), model_(make_model(s)),
+      : group_(group),
+        s_(s),
+        model_(make_model(s)),
         opt_(model_->parameters(), torch::optim::AdamWOptions(1e-4)) {}
   std::pair<double, double> step(int index) override {
     const auto start = Clock::now();
@@ -200,7 +202,9 @@ class LoomCase final : public Case {
  public:
   LoomCase(loom::comm::Group& group, const Settings& s, loom::parallel::ZeroStage stage,
            bool overlap)
-      : group_(group), s_(s), model_(make_model(s)),
+      : group_(group),
+        s_(s),
+        model_(make_model(s)),
         dp_(model_, group, options(s, stage, overlap)) {
     if (stage == loom::parallel::ZeroStage::kNone) {
       torch_opt_ = std::make_unique<torch::optim::AdamW>(model_->parameters(),
@@ -249,8 +253,8 @@ class LoomCase final : public Case {
 
 // Rounds of one step of every case in turn, so that load from other processes on this shared
 // machine falls on all cases alike; the median over the measured rounds.
-std::vector<CaseResult> measure(std::vector<std::unique_ptr<Case>>& cases,
-                                loom::comm::Group& group, const Settings& s) {
+std::vector<CaseResult> measure(std::vector<std::unique_ptr<Case>>& cases, loom::comm::Group& group,
+                                const Settings& s) {
   for (int round = 0; round < s.warmup + s.steps; ++round) {
     for (auto& c : cases) {
       group.barrier()->wait();
@@ -300,18 +304,25 @@ void run_worker(const Settings& s) {
   auto model = make_model(s);
   const double params_m = parameter_count(*model) / 1e6;
   if (!s.json) {
-    std::printf("bench_train --mode=ddp: %.1fM-parameter transformer (%lld layers, dim %lld, "
-                "vocab %lld), %lld x %lld tokens per rank, %d ranks, %d thread(s) each, "
-                "buckets of %.3g MiB, median of %d interleaved rounds\n",
-                params_m, (long long)s.layers, (long long)s.dim, (long long)s.vocab,
-                (long long)s.batch, (long long)s.seq, s.ranks, s.threads, s.bucket_mib, s.steps);
+    std::printf(
+        "bench_train --mode=ddp: %.1fM-parameter transformer (%lld layers, dim %lld, "
+        "vocab %lld), %lld x %lld tokens per rank, %d ranks, %d thread(s) each, "
+        "buckets of %.3g MiB, median of %d interleaved rounds\n",
+        params_m, (long long)s.layers, (long long)s.dim, (long long)s.vocab, (long long)s.batch,
+        (long long)s.seq, s.ranks, s.threads, s.bucket_mib, s.steps);
     std::printf("%-22s %12s %12s  %-26s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
                 "unit", "ratio");
   }
   const std::string baseline_name = "allreduce_after_backward";
   auto time_row = [&](const std::string& name, const CaseResult& r) {
-    loom::bench::Row row{"train", name + suffix, r.step_ms, base.step_ms, baseline_name, "ms",
-                         base.step_ms / r.step_ms, {}};
+    loom::bench::Row row{"train",
+                         name + suffix,
+                         r.step_ms,
+                         base.step_ms,
+                         baseline_name,
+                         "ms",
+                         base.step_ms / r.step_ms,
+                         {}};
     row.extra["comm_exposed_ms"] = r.comm_exposed_ms;
     row.extra["baseline_comm_ms"] = base.comm_exposed_ms;
     row.extra["params_m"] = params_m;
@@ -330,26 +341,33 @@ void run_worker(const Settings& s) {
   emit(s, ddp_row);
   emit(s, time_row("step/zero1", zero1));
   emit(s, time_row("step/zero2", zero2));
-  loom::bench::Row hidden_row{"train", "comm_hidden_by_overlap" + suffix,
-                              ddp.comm_exposed_ms, no_overlap.comm_exposed_ms,
-                              "ddp_no_overlap", "ms",
-                              ddp.comm_exposed_ms > 0 ? no_overlap.comm_exposed_ms /
-                                                            ddp.comm_exposed_ms
-                                                      : 0,
-                              {{"hidden_share", hidden}}};
+  loom::bench::Row hidden_row{
+      "train",
+      "comm_hidden_by_overlap" + suffix,
+      ddp.comm_exposed_ms,
+      no_overlap.comm_exposed_ms,
+      "ddp_no_overlap",
+      "ms",
+      ddp.comm_exposed_ms > 0 ? no_overlap.comm_exposed_ms / ddp.comm_exposed_ms : 0,
+      {{"hidden_share", hidden}}};
   emit(s, hidden_row);
-  for (const auto& [name, r] : {std::pair{"state_bytes/zero1", zero1},
-                                std::pair{"state_bytes/zero2", zero2}}) {
-    loom::bench::Row row{"train", std::string(name) + suffix, double(r.state_bytes),
-                         double(base.state_bytes), "replicated_torch_adamw", "bytes",
-                         double(base.state_bytes) / double(r.state_bytes), {}};
+  for (const auto& [name, r] :
+       {std::pair{"state_bytes/zero1", zero1}, std::pair{"state_bytes/zero2", zero2}}) {
+    loom::bench::Row row{"train",
+                         std::string(name) + suffix,
+                         double(r.state_bytes),
+                         double(base.state_bytes),
+                         "replicated_torch_adamw",
+                         "bytes",
+                         double(base.state_bytes) / double(r.state_bytes),
+                         {}};
     emit(s, row);
   }
 }
 
 int run_parent(const Settings& s, const std::string& self) {
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / loom::detail::concat("loom-bench-train-", ::getpid());
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    loom::detail::concat("loom-bench-train-", ::getpid());
   std::filesystem::create_directories(dir);
   std::vector<loom::util::Subprocess> children;
   for (int r = 0; r < s.ranks; ++r) {

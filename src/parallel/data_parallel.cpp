@@ -117,8 +117,8 @@ struct DataParallel::Impl {
 
   // Training-thread state (one thread at a time; hooks run on the thread that runs backward).
   bool sync = true;
-  int arrived = 0;      // parameters ready in the current synced backward
-  int next_bucket = 0;  // buckets are launched in index order on every rank
+  int arrived = 0;               // parameters ready in the current synced backward
+  int next_bucket = 0;           // buckets are launched in index order on every rank
   int launched_in_backward = 0;  // buckets launched by hooks in the current sync window
   SyncStats stats;
   std::unique_ptr<optim::FlatOptimizer> optimizer;
@@ -340,9 +340,8 @@ struct DataParallel::Impl {
         if (p.ready) continue;
         if (count++ < 8) unused += (unused.empty() ? "" : ", ") + p.name;
       }
-      LOOM_CHECK(options.find_unused_parameters, InvalidArgument,
-                 "DataParallel on rank ", rank, ": ", count,
-                 " parameter(s) got no gradient in this backward: ", unused,
+      LOOM_CHECK(options.find_unused_parameters, InvalidArgument, "DataParallel on rank ", rank,
+                 ": ", count, " parameter(s) got no gradient in this backward: ", unused,
                  (count > 8 ? ", ..." : ""),
                  ". Make the loss depend on them, freeze them (requires_grad = false) before "
                  "building DataParallel, or set find_unused_parameters");
@@ -359,11 +358,10 @@ struct DataParallel::Impl {
       try {
         buckets[b].work->wait(remaining(deadline));
       } catch (const Timeout& e) {
-        throw Timeout(detail::concat("DataParallel on rank ", rank, ": the reduction of ",
-                                     describe_bucket(b), " did not finish within ",
-                                     options.timeout.count(),
-                                     " ms; did a peer skip backward or finish_gradient_sync? (",
-                                     e.what(), ")"));
+        throw Timeout(detail::concat(
+            "DataParallel on rank ", rank, ": the reduction of ", describe_bucket(b),
+            " did not finish within ", options.timeout.count(),
+            " ms; did a peer skip backward or finish_gradient_sync? (", e.what(), ")"));
       } catch (const CommError& e) {
         throw CommError(detail::concat("DataParallel on rank ", rank, ": the reduction of ",
                                        describe_bucket(b), " failed: ", e.what()));
@@ -396,13 +394,12 @@ struct DataParallel::Impl {
     group.all_reduce(total, {comm::ReduceOp::kSum, options.timeout})->wait(options.timeout);
     const double norm = std::sqrt(total.item<double>());
     // As torch::nn::utils::clip_grad_norm_: the coefficient in the gradients' dtype.
-    const double coefficient =
-        std::min(1.0, static_cast<double>(static_cast<float>(max_norm) /
-                                          (static_cast<float>(norm) + 1e-6f)));
+    const double coefficient = std::min(
+        1.0,
+        static_cast<double>(static_cast<float>(max_norm) / (static_cast<float>(norm) + 1e-6f)));
     if (coefficient < 1.0) {
       for (Bucket& bucket : buckets) {
-        (options.zero_stage == ZeroStage::kTwo ? bucket.grad_shard : bucket.grad)
-            .mul_(coefficient);
+        (options.zero_stage == ZeroStage::kTwo ? bucket.grad_shard : bucket.grad).mul_(coefficient);
       }
     }
     return norm;
@@ -445,10 +442,9 @@ struct DataParallel::Impl {
       try {
         works[b]->wait(remaining(deadline));
       } catch (const Timeout& e) {
-        throw Timeout(detail::concat("DataParallel::step on rank ", rank,
-                                     ": gathering the parameters of ",
-                                     describe_bucket(static_cast<int>(b)), " timed out (",
-                                     e.what(), ")"));
+        throw Timeout(
+            detail::concat("DataParallel::step on rank ", rank, ": gathering the parameters of ",
+                           describe_bucket(static_cast<int>(b)), " timed out (", e.what(), ")"));
       }
     }
   }
@@ -517,22 +513,22 @@ struct DataParallel::Impl {
                "DataParallel::load_state: the state was saved with optimizer '", saved_optimizer,
                "' but this one is '", optimizer->name(), "'");
     torch::NoGradGuard no_grad;
-    for_each_state_tensor([&](const std::string& name, const at::Tensor& t,
-                              const ckpt::Sharding& sharding) {
-      const auto it = by_name.find(name);
-      LOOM_CHECK(it != by_name.end(), InvalidArgument, "DataParallel::load_state: no tensor '",
-                 name, "' in the state");
-      const ckpt::TensorEntry& entry = *it->second;
-      LOOM_CHECK(entry.tensor.numel() == t.numel() && entry.sharding.begin == sharding.begin &&
-                     entry.sharding.end == sharding.end,
-                 InvalidArgument, "DataParallel::load_state: '", name, "' holds ",
-                 entry.tensor.numel(), " elements [", entry.sharding.begin, ", ",
-                 entry.sharding.end, "), this rank needs ", t.numel(), " [", sharding.begin, ", ",
-                 sharding.end, ")");
-      if (!entry.tensor.is_same(t) && entry.tensor.data_ptr() != t.data_ptr()) {
-        t.copy_(entry.tensor.reshape(t.sizes()));
-      }
-    });
+    for_each_state_tensor(
+        [&](const std::string& name, const at::Tensor& t, const ckpt::Sharding& sharding) {
+          const auto it = by_name.find(name);
+          LOOM_CHECK(it != by_name.end(), InvalidArgument, "DataParallel::load_state: no tensor '",
+                     name, "' in the state");
+          const ckpt::TensorEntry& entry = *it->second;
+          LOOM_CHECK(entry.tensor.numel() == t.numel() && entry.sharding.begin == sharding.begin &&
+                         entry.sharding.end == sharding.end,
+                     InvalidArgument, "DataParallel::load_state: '", name, "' holds ",
+                     entry.tensor.numel(), " elements [", entry.sharding.begin, ", ",
+                     entry.sharding.end, "), this rank needs ", t.numel(), " [", sharding.begin,
+                     ", ", sharding.end, ")");
+          if (!entry.tensor.is_same(t) && entry.tensor.data_ptr() != t.data_ptr()) {
+            t.copy_(entry.tensor.reshape(t.sizes()));
+          }
+        });
     steps = json.at("step").get<int64_t>();
     for (Bucket& bucket : buckets) {  // parameters are the rounded masters
       if (bucket.master.defined()) {

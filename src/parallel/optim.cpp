@@ -36,8 +36,8 @@ void AdamW::update(const at::Tensor& params, const at::Tensor& grads,
 
 Sgd::Sgd(const SgdOptions& options) : options_(options) {
   LOOM_CHECK(options.lr >= 0, InvalidArgument, "SGD: lr must be >= 0, got ", options.lr);
-  LOOM_CHECK(!options.nesterov || (options.momentum > 0 && options.dampening == 0),
-             InvalidArgument, "SGD: Nesterov momentum needs momentum > 0 and dampening == 0");
+  LOOM_CHECK(!options.nesterov || (options.momentum > 0 && options.dampening == 0), InvalidArgument,
+             "SGD: Nesterov momentum needs momentum > 0 and dampening == 0");
 }
 
 std::vector<std::string> Sgd::state_names() const {
@@ -45,8 +45,8 @@ std::vector<std::string> Sgd::state_names() const {
   return {"momentum_buffer"};
 }
 
-void Sgd::update(const at::Tensor& params, const at::Tensor& grads,
-                 std::vector<at::Tensor>& state, int64_t step) const {
+void Sgd::update(const at::Tensor& params, const at::Tensor& grads, std::vector<at::Tensor>& state,
+                 int64_t step) const {
   at::Tensor p = params;
   at::Tensor d_p = grads;
   if (options_.weight_decay != 0) d_p = d_p.add(p, options_.weight_decay);

@@ -77,7 +77,7 @@ struct DataParallelOptions {
 struct SyncStats {
   int buckets_launched_during_backward = 0;  // reduced while backward still ran
   int buckets = 0;                           // all buckets
-  double wait_seconds = 0;  // time finish_gradient_sync blocked on communication
+  double wait_seconds = 0;                   // time finish_gradient_sync blocked on communication
 };
 
 class DataParallel {

@@ -29,11 +29,11 @@ struct AdamWOptions {
 
 // torch::optim::SGDOptions' defaults, apart from lr, which libtorch requires and we default.
 struct SgdOptions {
-  double lr = 1e-2;            // learning rate
-  double momentum = 0.0;       // 0 = plain SGD, no state
-  double dampening = 0.0;      // momentum buffer takes (1 - dampening) of each new gradient
-  double weight_decay = 0.0;   // L2: the gradient gets weight_decay * p added
-  bool nesterov = false;       // Nesterov momentum (needs momentum > 0, dampening == 0)
+  double lr = 1e-2;           // learning rate
+  double momentum = 0.0;      // 0 = plain SGD, no state
+  double dampening = 0.0;     // momentum buffer takes (1 - dampening) of each new gradient
+  double weight_decay = 0.0;  // L2: the gradient gets weight_decay * p added
+  bool nesterov = false;      // Nesterov momentum (needs momentum > 0, dampening == 0)
 };
 
 // An update rule on flat fp32 tensors. Throws InvalidArgument on bad options at construction.

@@ -107,6 +107,20 @@ TEST(DataParallel, FinishWithoutBackwardIsAnError) {
   }));
 }
 
+TEST(DataParallel, SecondSyncedBackwardBeforeFinishIsAnError) {
+  expect_all_ok(run_threads(1, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model();
+    DataParallel dp(model, *group);
+    loss_of(*model, at::ones({2, 8}), at::zeros({2, 4}), at::kFloat).backward();
+    // The hook's InvalidArgument comes back out of backward() (autograd rethrows it).
+    const std::string message = loom::testing::error_of<InvalidArgument>([&] {
+      loss_of(*model, at::ones({2, 8}), at::zeros({2, 4}), at::kFloat).backward();
+    });
+    EXPECT_NE(message.find("no_sync"), std::string::npos) << message;
+  }));
+}
+
 struct PartlyUsed : Mlp {
   at::Tensor forward(const at::Tensor& x) { return fc1(x).narrow(1, 0, 4); }  // fc2, fc3 unused
 };
@@ -117,7 +131,8 @@ TEST(DataParallel, UnusedParametersAreNamedOrReducedOnRequest) {
     for (bool find_unused : {false, true}) {
       auto model = std::make_shared<PartlyUsed>();
       DataParallel dp(model, *group,
-                      {.bucket_bytes = 300, .find_unused_parameters = find_unused,
+                      {.bucket_bytes = 300,
+                       .find_unused_parameters = find_unused,
                        .timeout = std::chrono::seconds(20)});
       dp.set_optimizer(std::make_unique<optim::Sgd>());
       torch::mse_loss(model->forward(at::ones({2, 8})), at::zeros({2, 4})).backward();
@@ -153,8 +168,8 @@ TEST(DataParallel, NoSyncAccumulatesWithoutCommunication) {
     at::Tensor local = model->fc1->weight.grad().clone();
     at::Tensor all = at::empty({2 * local.numel()});
     group->all_gather(all, local.reshape(-1))->wait(std::chrono::seconds(20));
-    EXPECT_FALSE(all.narrow(0, 0, local.numel()).equal(all.narrow(0, local.numel(),
-                                                                  local.numel())));
+    EXPECT_FALSE(
+        all.narrow(0, 0, local.numel()).equal(all.narrow(0, local.numel(), local.numel())));
   }));
 }
 
@@ -214,8 +229,8 @@ TEST_P(DataParallelState, SavedAtOneWorldSizeLoadsAtAnother) {
       for (auto& entry : state.tensors) {  // what a checkpointer does: fill the pieces
         const at::Tensor& global = saved.at(entry.name);
         if (entry.sharding.kind == ckpt::Sharding::Kind::kFlat) {
-          entry.tensor.copy_(global.reshape(-1).narrow(
-              0, entry.sharding.begin, entry.sharding.end - entry.sharding.begin));
+          entry.tensor.copy_(global.reshape(-1).narrow(0, entry.sharding.begin,
+                                                       entry.sharding.end - entry.sharding.begin));
         } else {
           torch::NoGradGuard no_grad;
           entry.tensor.copy_(global);
@@ -227,8 +242,7 @@ TEST_P(DataParallelState, SavedAtOneWorldSizeLoadsAtAnother) {
       for (int step = 0; step < more.steps; ++step) {
         const auto [x, y] = global_batch(10 + step, world, more);
         dp.zero_grad();
-        loss_of(*model, rows_of(x, r.rank, 0, more), rows_of(y, r.rank, 0, more), dtype)
-            .backward();
+        loss_of(*model, rows_of(x, r.rank, 0, more), rows_of(y, r.rank, 0, more), dtype).backward();
         dp.finish_gradient_sync();
         dp.step();
       }
@@ -264,8 +278,8 @@ TEST(DataParallel, OptimizerStateShrinksWithTheWorld) {
           bytes[{static_cast<int>(stage), world}] = dp.optimizer_state_bytes();
         }
       }));
-      std::cout << "optimizer state bytes per rank, " << to_string(stage) << ", W=" << world
-                << ": " << bytes[{static_cast<int>(stage), world}] << "\n";
+      std::cout << "optimizer state bytes per rank, " << to_string(stage) << ", W=" << world << ": "
+                << bytes[{static_cast<int>(stage), world}] << "\n";
     }
   }
   const int64_t full = bytes[{0, 1}];

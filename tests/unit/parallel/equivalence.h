@@ -27,9 +27,7 @@ struct Mlp : torch::nn::Module {
     fc2 = register_module("fc2", torch::nn::Linear(hidden, hidden));
     fc3 = register_module("fc3", torch::nn::Linear(hidden, 4));
   }
-  at::Tensor forward(const at::Tensor& x) {
-    return fc3(torch::tanh(fc2(torch::tanh(fc1(x)))));
-  }
+  at::Tensor forward(const at::Tensor& x) { return fc3(torch::tanh(fc2(torch::tanh(fc1(x))))); }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
 };
 
@@ -56,17 +54,19 @@ inline std::shared_ptr<Mlp> make_model(at::ScalarType dtype = at::kFloat) {
 struct Scenario {
   std::string name;
   ZeroStage stage = ZeroStage::kNone;
-  bool adamw = true;           // else SGD with momentum
+  bool adamw = true;             // else SGD with momentum
   bool torch_optimizer = false;  // kNone only: torch::optim on the module's parameters
-  int micro_steps = 1;         // gradient accumulation
-  double clip = 0;             // max norm; 0 = no clipping
-  bool bf16 = false;           // bf16 parameters, fp32 masters
+  int micro_steps = 1;           // gradient accumulation
+  double clip = 0;               // max norm; 0 = no clipping
+  bool bf16 = false;             // bf16 parameters, fp32 masters
   int steps = 3;
-  int64_t rows = 4;            // per rank per micro-step
-  size_t bucket_bytes = 300;   // small: several buckets, some cutting through parameters' ranks
+  int64_t rows = 4;           // per rank per micro-step
+  size_t bucket_bytes = 300;  // small: several buckets, some cutting through parameters' ranks
 };
 
-inline optim::AdamWOptions adamw_options() { return {.lr = 1e-2, .eps = 1e-6, .weight_decay = 1e-2}; }
+inline optim::AdamWOptions adamw_options() {
+  return {.lr = 1e-2, .eps = 1e-6, .weight_decay = 1e-2};
+}
 inline optim::SgdOptions sgd_options() {
   return {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3};
 }
@@ -110,8 +110,7 @@ inline std::map<std::string, at::Tensor> reference_training(int world, const Sce
   } else {
     const auto o = sgd_options();
     opt = std::make_unique<torch::optim::SGD>(
-        stepped,
-        torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+        stepped, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
   }
   for (int step = 0; step < s.steps; ++step) {
     const auto [x, y] = global_batch(step, world, s);
@@ -140,7 +139,8 @@ inline std::map<std::string, at::Tensor> reference_training(int world, const Sce
     for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
   }
   std::map<std::string, at::Tensor> out;
-  for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
+  for (const auto& item : model->named_parameters())
+    out[item.key()] = item.value().detach().clone();
   return out;
 }
 
@@ -201,7 +201,8 @@ inline void expect_parameters_match(Mlp& model, const std::map<std::string, at::
           << what << ": " << item.key() << " differs from the reference (bitwise expected), "
           << "relative error " << relative_error(actual.detach(), reference);
     } else {
-      EXPECT_LE(relative_error(actual.detach(), reference), tolerance) << what << ": " << item.key();
+      EXPECT_LE(relative_error(actual.detach(), reference), tolerance)
+          << what << ": " << item.key();
     }
   }
 }
@@ -209,11 +210,13 @@ inline void expect_parameters_match(Mlp& model, const std::map<std::string, at::
 inline std::vector<Scenario> scenarios_for(ZeroStage stage) {
   std::vector<Scenario> out;
   out.push_back({.name = "adamw", .stage = stage});
-  out.push_back({.name = "sgd-accumulate-clip", .stage = stage, .adamw = false,
-                 .micro_steps = 2, .clip = 0.05});
+  out.push_back({.name = "sgd-accumulate-clip",
+                 .stage = stage,
+                 .adamw = false,
+                 .micro_steps = 2,
+                 .clip = 0.05});
   out.push_back({.name = "adamw-clip", .stage = stage, .clip = 0.05});
-  out.push_back({.name = "adamw-bf16-accumulate", .stage = stage, .micro_steps = 2,
-                 .bf16 = true});
+  out.push_back({.name = "adamw-bf16-accumulate", .stage = stage, .micro_steps = 2, .bf16 = true});
   if (stage == ZeroStage::kNone) {
     out.push_back({.name = "torch-adamw", .stage = stage, .torch_optimizer = true});
   }
@@ -231,17 +234,17 @@ inline void check_equivalence(comm::Group& group, ZeroStage stage) {
       torch::NoGradGuard no_grad;
       for (at::Tensor& p : model->parameters()) p.add_(1.0);
     }
-    DataParallel dp(model, group,
-                    {.bucket_bytes = s.bucket_bytes, .zero_stage = stage,
-                     .timeout = std::chrono::seconds(60)});
+    DataParallel dp(
+        model, group,
+        {.bucket_bytes = s.bucket_bytes, .zero_stage = stage, .timeout = std::chrono::seconds(60)});
     EXPECT_GT(dp.bucket_count(), 1);
     train_data_parallel(dp, *model, group.rank(), world, s);
     const auto init = initial_parameters();  // training moved the parameters (not vacuous)
     EXPECT_GT(relative_error(model->fc2->weight.detach(), init.at("fc2.weight")), 1e-3) << s.name;
     const bool bitwise = world == 1 && s.micro_steps == 1;
-    expect_parameters_match(*model, expected, bitwise ? 0.0 : 1e-6,
-                            std::string(to_string(stage)) + "/" + s.name + " at W=" +
-                                std::to_string(world));
+    expect_parameters_match(
+        *model, expected, bitwise ? 0.0 : 1e-6,
+        std::string(to_string(stage)) + "/" + s.name + " at W=" + std::to_string(world));
   }
 }
 

@@ -17,8 +17,8 @@ void expect_same_as_torch(torch::optim::Optimizer& reference, at::Tensor& param,
   std::vector<at::Tensor> state;
   for (size_t i = 0; i < flat.state_names().size(); ++i) state.push_back(at::zeros_like(mine));
   for (int step = 1; step <= steps; ++step) {
-    const at::Tensor grad = at::sin(at::arange(param.numel(), at::kFloat) * step + 0.5)
-                                .reshape(param.sizes());
+    const at::Tensor grad =
+        at::sin(at::arange(param.numel(), at::kFloat) * step + 0.5).reshape(param.sizes());
     param.mutable_grad() = grad.clone();
     reference.step();
     flat.update(mine, grad.reshape(-1), state, step);
@@ -29,12 +29,11 @@ void expect_same_as_torch(torch::optim::Optimizer& reference, at::Tensor& param,
 TEST(FlatOptimizer, AdamWMatchesTorchBitwise) {
   for (double weight_decay : {0.0, 0.1}) {
     at::Tensor param = at::randn({37, 5}).requires_grad_(true);
-    torch::optim::AdamW reference({param}, torch::optim::AdamWOptions(0.01)
-                                               .betas({0.8, 0.99})
-                                               .eps(1e-7)
-                                               .weight_decay(weight_decay));
-    AdamW flat({.lr = 0.01, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-7,
-                .weight_decay = weight_decay});
+    torch::optim::AdamW reference(
+        {param},
+        torch::optim::AdamWOptions(0.01).betas({0.8, 0.99}).eps(1e-7).weight_decay(weight_decay));
+    AdamW flat(
+        {.lr = 0.01, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-7, .weight_decay = weight_decay});
     expect_same_as_torch(reference, param, flat, 5);
   }
 }
@@ -52,8 +51,11 @@ TEST(FlatOptimizer, SgdVariantsMatchTorchBitwise) {
                                              .dampening(c.dampening)
                                              .weight_decay(c.weight_decay)
                                              .nesterov(c.nesterov));
-    Sgd flat({.lr = 0.05, .momentum = c.momentum, .dampening = c.dampening,
-              .weight_decay = c.weight_decay, .nesterov = c.nesterov});
+    Sgd flat({.lr = 0.05,
+              .momentum = c.momentum,
+              .dampening = c.dampening,
+              .weight_decay = c.weight_decay,
+              .nesterov = c.nesterov});
     expect_same_as_torch(reference, param, flat, 4);
   }
 }
