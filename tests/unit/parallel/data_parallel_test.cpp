@@ -107,6 +107,26 @@ TEST(DataParallel, FinishWithoutBackwardIsAnError) {
   }));
 }
 
+TEST(DataParallel, SumReductionSumsTheRanksGradients) {
+  expect_all_ok(run_threads(3, [](Rank& r) {
+    auto group = make_group(r);
+    const at::Tensor x = at::full({2, 8}, 0.1 * (r.rank + 1));
+    const at::Tensor y = at::zeros({2, 4});
+    auto plain = make_model();  // this rank's local gradient, summed by hand
+    loss_of(*plain, x, y, at::kFloat).backward();
+    at::Tensor expected = plain->fc1->weight.grad().clone();
+    group->all_reduce(expected)->wait(std::chrono::seconds(20));
+
+    auto model = make_model();
+    DataParallel dp(model, *group,
+                    {.reduction = GradReduction::kSum, .timeout = std::chrono::seconds(20)});
+    loss_of(*model, x, y, at::kFloat).backward();
+    dp.finish_gradient_sync();
+    // Not bitwise: the ring sums a bucket's elements in another order than a lone tensor's.
+    EXPECT_LE(relative_error(model->fc1->weight.grad(), expected), 1e-6);
+  }));
+}
+
 TEST(DataParallel, SecondSyncedBackwardBeforeFinishIsAnError) {
   expect_all_ok(run_threads(1, [](Rank& r) {
     auto group = make_group(r);
