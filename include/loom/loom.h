@@ -11,5 +11,8 @@
 #include "loom/data/vocabulary.h"
 #include "loom/error.h"
 #include "loom/log.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/parallel/optim.h"
+#include "loom/parallel/zero.h"
 #include "loom/runtime.h"
 #include "loom/version.h"

@@ -1,0 +1,630 @@
+// DataParallel: flat per-bucket parameter and gradient buffers, gradient-accumulator post-hooks
+// that launch each bucket's reduction as soon as its gradients are accumulated, and the
+// (optionally ZeRO-sharded) optimizer step over those buffers.
+#include "loom/parallel/data_parallel.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <unordered_set>
+
+#include "loom/ckpt/state.h"
+#include "loom/error.h"
+
+namespace loom::parallel {
+
+const char* to_string(ZeroStage stage) {
+  switch (stage) {
+    case ZeroStage::kNone:
+      return "none";
+    case ZeroStage::kOne:
+      return "zero1";
+    case ZeroStage::kTwo:
+      return "zero2";
+  }
+  return "?";
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+struct Param {
+  std::string name;
+  at::Tensor tensor;  // the module's parameter; its data is a view into its bucket's buffer
+  int bucket = 0;
+  int64_t offset = 0;  // first element in the bucket's flat buffer
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+  std::shared_ptr<torch::autograd::Node> accumulator;  // kept alive so the hook stays on it
+  uintptr_t hook_key = 0;
+  bool ready = false;  // its gradient arrived in the current synced backward
+};
+
+struct Bucket {
+  std::vector<int> params;  // indices into Impl::params, in bucket order
+  at::ScalarType dtype = at::kFloat;
+  int64_t numel = 0;   // real elements
+  int64_t padded = 0;  // numel rounded up to a multiple of the world size
+  int64_t shard_begin = 0;
+  int64_t shard_end = 0;  // this rank's slice of the padded buffer ([0, padded) for kNone)
+  at::Tensor data;        // flat parameters
+  at::Tensor grad;        // flat gradients (the parameters' .grad() are views)
+  at::Tensor grad_shard;  // kTwo: the reduced gradient of this rank's slice
+  at::Tensor master;      // fp32 copy of the slice when the bucket is not fp32 (master weights)
+  std::vector<at::Tensor> state;  // the optimizer's state for the slice, fp32
+  int pending = 0;                // parameters whose gradient has not arrived yet
+  comm::WorkPtr work;
+  int64_t shard_size() const { return shard_end - shard_begin; }
+};
+
+std::string shape_string(at::IntArrayRef shape) {
+  std::ostringstream out;
+  out << shape;
+  return out.str();
+}
+
+std::string dtype_string(at::ScalarType dtype) { return c10::toString(dtype); }
+
+// "name|dtype|shape" per parameter, one per line: what every rank must agree on.
+std::string signature_line(const std::string& name, const at::Tensor& t) {
+  return name + "|" + dtype_string(t.scalar_type()) + "|" + shape_string(t.sizes());
+}
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Runs after a parameter's AccumulateGrad node has added the new gradient into .grad().
+class GradientReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradientReadyHook(std::function<void()> on_ready) : on_ready_(std::move(on_ready)) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    on_ready_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> on_ready_;
+};
+
+}  // namespace
+
+struct DataParallel::Impl {
+  // Constant after construction.
+  std::shared_ptr<torch::nn::Module> module;
+  comm::Group& group;
+  DataParallelOptions options;
+  int rank = 0;
+  int world = 1;
+  std::vector<Param> params;
+  std::vector<Bucket> buckets;
+
+  // Training-thread state (one thread at a time; hooks run on the thread that runs backward).
+  bool sync = true;
+  int arrived = 0;               // parameters ready in the current synced backward
+  int next_bucket = 0;           // buckets are launched in index order on every rank
+  int launched_in_backward = 0;  // buckets launched by hooks in the current sync window
+  SyncStats stats;
+  std::unique_ptr<optim::FlatOptimizer> optimizer;
+  int64_t steps = 0;
+
+  Impl(std::shared_ptr<torch::nn::Module> m, comm::Group& g, const DataParallelOptions& o)
+      : module(std::move(m)), group(g), options(o), rank(g.rank()), world(g.size()) {}
+
+  milliseconds remaining(Clock::time_point deadline) const {
+    return std::max(milliseconds(1),
+                    std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
+  }
+
+  std::string describe_bucket(int b) const {
+    const Bucket& bucket = buckets[b];
+    std::string names;
+    for (size_t i = 0; i < bucket.params.size() && i < 4; ++i) {
+      names += (i ? ", " : "") + params[bucket.params[i]].name;
+    }
+    if (bucket.params.size() > 4) names += ", ...";
+    return detail::concat("bucket ", b, " of ", buckets.size(), " (", bucket.params.size(),
+                          " parameters: ", names, "; ", bucket.numel, " elements)");
+  }
+
+  // --- construction -------------------------------------------------------------------------
+
+  void collect_parameters() {
+    std::unordered_set<const void*> seen;  // a parameter shared by two modules counts once
+    for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+      const at::Tensor& t = item.value();
+      if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+      LOOM_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, InvalidArgument,
+                 "DataParallel: parameter '", item.key(), "' must be a dense CPU tensor");
+      Param p;
+      p.name = item.key();
+      p.tensor = t;
+      p.numel = t.numel();
+      p.shape = t.sizes().vec();
+      params.push_back(std::move(p));
+    }
+  }
+
+  // Every rank compares every rank's signature with rank 0's, so all ranks throw alike.
+  void check_same_parameters(milliseconds timeout) {
+    std::string mine;
+    for (const Param& p : params) mine += signature_line(p.name, p.tensor) + "\n";
+    at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+    at::Tensor lengths = at::empty({world}, at::kLong);
+    group.all_gather(lengths, length, {timeout})->wait(timeout);
+    const int64_t max_length = lengths.max().item<int64_t>();
+    at::Tensor bytes = at::zeros({max_length}, at::kByte);
+    std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+    at::Tensor all = at::empty({world * max_length}, at::kByte);
+    group.all_gather(all, bytes, {timeout})->wait(timeout);
+    auto text_of = [&](int r) {
+      const char* base = static_cast<const char*>(all.data_ptr()) + r * max_length;
+      return split_lines(std::string(base, lengths[r].item<int64_t>()));
+    };
+    const std::vector<std::string> reference = text_of(0);
+    for (int r = 1; r < world; ++r) {
+      const std::vector<std::string> other = text_of(r);
+      for (size_t i = 0; i < std::max(reference.size(), other.size()); ++i) {
+        const std::string a = i < reference.size() ? reference[i] : "(none)";
+        const std::string b = i < other.size() ? other[i] : "(none)";
+        if (a != b) {
+          throw InvalidArgument(detail::concat(
+              "DataParallel: rank ", r, "'s parameters differ from rank 0's at parameter ", i,
+              " (name|dtype|shape): rank 0 has '", a, "', rank ", r, " has '", b,
+              "'. Every rank must build the same model."));
+        }
+      }
+    }
+  }
+
+  void build_buckets() {
+    // Reverse registration order: roughly the order backward produces gradients.
+    int64_t bytes = 0;
+    for (int i = static_cast<int>(params.size()) - 1; i >= 0; --i) {
+      const at::ScalarType dtype = params[i].tensor.scalar_type();
+      if (buckets.empty() || bytes >= static_cast<int64_t>(options.bucket_bytes) ||
+          buckets.back().dtype != dtype) {
+        buckets.emplace_back();
+        buckets.back().dtype = dtype;
+        bytes = 0;
+      }
+      Bucket& bucket = buckets.back();
+      params[i].bucket = static_cast<int>(buckets.size()) - 1;
+      params[i].offset = bucket.numel;
+      bucket.numel += params[i].numel;
+      bucket.params.push_back(i);
+      bytes += params[i].numel * static_cast<int64_t>(c10::elementSize(dtype));
+    }
+    const bool sharded = options.zero_stage != ZeroStage::kNone;
+    for (Bucket& bucket : buckets) {
+      bucket.padded = (bucket.numel + world - 1) / world * world;
+      const int64_t chunk = bucket.padded / world;
+      bucket.shard_begin = sharded ? rank * chunk : 0;
+      bucket.shard_end = sharded ? (rank + 1) * chunk : bucket.padded;
+      bucket.pending = static_cast<int>(bucket.params.size());
+    }
+  }
+
+  at::Tensor grad_view(const Param& p) const {
+    return buckets[p.bucket].grad.narrow(0, p.offset, p.numel).view(p.shape);
+  }
+
+  void move_into_buckets() {
+    torch::NoGradGuard no_grad;
+    for (Bucket& bucket : buckets) {
+      bucket.data = at::zeros({bucket.padded}, at::TensorOptions().dtype(bucket.dtype));
+      bucket.grad = at::zeros({bucket.padded}, at::TensorOptions().dtype(bucket.dtype));
+      if (options.zero_stage == ZeroStage::kTwo) {
+        bucket.grad_shard = at::zeros({bucket.shard_size()}, bucket.grad.options());
+      }
+    }
+    for (Param& p : params) {
+      Bucket& bucket = buckets[p.bucket];
+      at::Tensor view = bucket.data.narrow(0, p.offset, p.numel).view(p.shape);
+      view.copy_(p.tensor);
+      p.tensor.set_data(view);
+      p.tensor.mutable_grad() = grad_view(p);
+    }
+  }
+
+  void broadcast_from_rank0(milliseconds timeout) {
+    const Clock::time_point deadline = Clock::now() + timeout;
+    for (Bucket& bucket : buckets) {
+      group.broadcast(bucket.data, {.root = 0, .timeout = timeout})->wait(remaining(deadline));
+    }
+    torch::NoGradGuard no_grad;
+    for (at::Tensor buffer : module->buffers(/*recurse=*/true)) {
+      at::Tensor contiguous = buffer.contiguous();
+      group.broadcast(contiguous, {.root = 0, .timeout = timeout})->wait(remaining(deadline));
+      if (!contiguous.is_same(buffer)) buffer.copy_(contiguous);
+    }
+  }
+
+  void init_masters() {
+    for (Bucket& bucket : buckets) {
+      if (bucket.dtype != at::kFloat && options.master_weights) {
+        bucket.master =
+            bucket.data.narrow(0, bucket.shard_begin, bucket.shard_size()).to(at::kFloat);
+      }
+    }
+  }
+
+  void install_hooks();  // below: needs the hook class
+
+  // --- gradient sync ------------------------------------------------------------------------
+
+  void on_gradient_accumulated(int index) {
+    Param& p = params[index];
+    const at::Tensor view = grad_view(p);
+    const at::Tensor& grad = p.tensor.grad();
+    if (!grad.defined() || !grad.is_same(view)) {
+      // Someone replaced .grad() (e.g. set it to none): accumulation then started afresh in a
+      // new tensor; move it back into the bucket.
+      torch::NoGradGuard no_grad;
+      if (grad.defined()) {
+        view.copy_(grad);
+      } else {
+        view.zero_();
+      }
+      p.tensor.mutable_grad() = view;
+    }
+    if (!sync) return;
+    LOOM_CHECK(!p.ready, InvalidArgument, "DataParallel: parameter '", p.name,
+               "' got a second gradient before finish_gradient_sync; run micro-steps of gradient "
+               "accumulation under no_sync()");
+    p.ready = true;
+    ++arrived;
+    --buckets[p.bucket].pending;
+    if (options.overlap) launch_ready_buckets(/*during_backward=*/true);
+  }
+
+  void launch_ready_buckets(bool during_backward) {
+    while (next_bucket < static_cast<int>(buckets.size()) && buckets[next_bucket].pending == 0) {
+      launch(next_bucket++);
+      if (during_backward) ++launched_in_backward;
+    }
+  }
+
+  void launch(int b) {
+    Bucket& bucket = buckets[b];
+    const comm::ReduceOp op =
+        options.reduction == GradReduction::kMean ? comm::ReduceOp::kAvg : comm::ReduceOp::kSum;
+    if (options.zero_stage == ZeroStage::kTwo) {
+      bucket.work = group.reduce_scatter(bucket.grad_shard, bucket.grad, {op, options.timeout});
+    } else {
+      bucket.work = group.all_reduce(bucket.grad, {op, options.timeout});
+    }
+  }
+
+  void reset_sync_window() {
+    for (Param& p : params) p.ready = false;
+    for (Bucket& bucket : buckets) {
+      bucket.pending = static_cast<int>(bucket.params.size());
+      bucket.work.reset();
+    }
+    arrived = 0;
+    next_bucket = 0;
+    launched_in_backward = 0;
+  }
+
+  void finish_gradient_sync() {
+    if (!sync) return;
+    const Clock::time_point start = Clock::now();
+    struct Reset {
+      Impl* impl;
+      ~Reset() { impl->reset_sync_window(); }
+    } reset{this};
+    LOOM_CHECK(arrived > 0 || params.empty(), InvalidArgument,
+               "DataParallel::finish_gradient_sync on rank ", rank,
+               ": no gradient arrived since the last sync; run backward (with sync on) first");
+    if (arrived < static_cast<int>(params.size())) {
+      std::string unused;
+      int count = 0;
+      for (const Param& p : params) {
+        if (p.ready) continue;
+        if (count++ < 8) unused += (unused.empty() ? "" : ", ") + p.name;
+      }
+      LOOM_CHECK(options.find_unused_parameters, InvalidArgument, "DataParallel on rank ", rank,
+                 ": ", count, " parameter(s) got no gradient in this backward: ", unused,
+                 (count > 8 ? ", ..." : ""),
+                 ". Make the loss depend on them, freeze them (requires_grad = false) before "
+                 "building DataParallel, or set find_unused_parameters");
+      for (Param& p : params) {
+        if (!p.ready) {
+          p.ready = true;
+          --buckets[p.bucket].pending;
+        }
+      }
+    }
+    launch_ready_buckets(/*during_backward=*/false);  // the rest (all of them without overlap)
+    const Clock::time_point deadline = start + options.timeout;
+    for (int b = 0; b < static_cast<int>(buckets.size()); ++b) {
+      try {
+        buckets[b].work->wait(remaining(deadline));
+      } catch (const Timeout& e) {
+        throw Timeout(detail::concat(
+            "DataParallel on rank ", rank, ": the reduction of ", describe_bucket(b),
+            " did not finish within ", options.timeout.count(),
+            " ms; did a peer skip backward or finish_gradient_sync? (", e.what(), ")"));
+      } catch (const CommError& e) {
+        throw CommError(detail::concat("DataParallel on rank ", rank, ": the reduction of ",
+                                       describe_bucket(b), " failed: ", e.what()));
+      }
+    }
+    stats.buckets = static_cast<int>(buckets.size());
+    stats.buckets_launched_during_backward = launched_in_backward;
+    stats.wait_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+  // The reduced gradient of this rank's slice of bucket b.
+  at::Tensor reduced_grad_shard(Bucket& bucket) const {
+    if (options.zero_stage == ZeroStage::kTwo) return bucket.grad_shard;
+    return bucket.grad.narrow(0, bucket.shard_begin, bucket.shard_size());
+  }
+
+  double clip_grad_norm(double max_norm) {
+    torch::NoGradGuard no_grad;
+    // Each rank sums the squares of a disjoint slice (the ZeRO slice even when gradients are
+    // replicated), then one all-reduce gives the global sum.
+    double local = 0;
+    for (Bucket& bucket : buckets) {
+      const int64_t chunk = bucket.padded / world;
+      at::Tensor slice = options.zero_stage == ZeroStage::kTwo
+                             ? bucket.grad_shard
+                             : bucket.grad.narrow(0, rank * chunk, chunk);
+      local += slice.to(at::kDouble).square().sum().item<double>();
+    }
+    at::Tensor total = at::full({1}, local, at::kDouble);
+    group.all_reduce(total, {comm::ReduceOp::kSum, options.timeout})->wait(options.timeout);
+    const double norm = std::sqrt(total.item<double>());
+    // As torch::nn::utils::clip_grad_norm_: the coefficient in the gradients' dtype.
+    const double coefficient = std::min(
+        1.0,
+        static_cast<double>(static_cast<float>(max_norm) / (static_cast<float>(norm) + 1e-6f)));
+    if (coefficient < 1.0) {
+      for (Bucket& bucket : buckets) {
+        (options.zero_stage == ZeroStage::kTwo ? bucket.grad_shard : bucket.grad).mul_(coefficient);
+      }
+    }
+    return norm;
+  }
+
+  // --- optimizer ----------------------------------------------------------------------------
+
+  void step() {
+    LOOM_CHECK(optimizer != nullptr, InvalidArgument,
+               "DataParallel::step: no optimizer; call set_optimizer first");
+    torch::NoGradGuard no_grad;
+    ++steps;
+    for (Bucket& bucket : buckets) {
+      at::Tensor grad = reduced_grad_shard(bucket);
+      if (grad.scalar_type() != at::kFloat) grad = grad.to(at::kFloat);
+      at::Tensor slice = bucket.data.narrow(0, bucket.shard_begin, bucket.shard_size());
+      if (bucket.master.defined()) {
+        optimizer->update(bucket.master, grad, bucket.state, steps);
+        slice.copy_(bucket.master);
+      } else if (bucket.dtype == at::kFloat) {
+        optimizer->update(slice, grad, bucket.state, steps);
+      } else {  // no master weights: update in fp32 and round back
+        at::Tensor fp32 = slice.to(at::kFloat);
+        optimizer->update(fp32, grad, bucket.state, steps);
+        slice.copy_(fp32);
+      }
+    }
+    if (options.zero_stage != ZeroStage::kNone) gather_parameters();
+  }
+
+  void gather_parameters() {
+    const Clock::time_point deadline = Clock::now() + options.timeout;
+    std::vector<at::Tensor> inputs;
+    std::vector<comm::WorkPtr> works;
+    for (Bucket& bucket : buckets) {
+      inputs.push_back(bucket.data.narrow(0, bucket.shard_begin, bucket.shard_size()).clone());
+      works.push_back(group.all_gather(bucket.data, inputs.back(), {options.timeout}));
+    }
+    for (size_t b = 0; b < works.size(); ++b) {
+      try {
+        works[b]->wait(remaining(deadline));
+      } catch (const Timeout& e) {
+        throw Timeout(
+            detail::concat("DataParallel::step on rank ", rank, ": gathering the parameters of ",
+                           describe_bucket(static_cast<int>(b)), " timed out (", e.what(), ")"));
+      }
+    }
+  }
+
+  void allocate_state() {
+    for (Bucket& bucket : buckets) {
+      bucket.state.clear();
+      for (size_t i = 0; i < optimizer->state_names().size(); ++i) {
+        bucket.state.push_back(at::zeros({bucket.shard_size()}, at::kFloat));
+      }
+    }
+  }
+
+  // --- checkpoint state ---------------------------------------------------------------------
+
+  // Calls fn(name, tensor, sharding) for every tensor add_state describes.
+  template <typename Fn>
+  void for_each_state_tensor(Fn&& fn) {
+    const bool replicated = options.zero_stage == ZeroStage::kNone;
+    for (Param& p : params) fn("model/" + p.name, p.tensor.detach(), ckpt::Sharding::replicated());
+    const std::vector<std::string> names =
+        optimizer ? optimizer->state_names() : std::vector<std::string>{};
+    for (Param& p : params) {
+      Bucket& bucket = buckets[p.bucket];
+      const int64_t lo = std::max(bucket.shard_begin, p.offset);
+      const int64_t hi = std::min(bucket.shard_end, p.offset + p.numel);
+      if (lo >= hi) continue;  // this rank owns none of p
+      auto describe = [&](const std::string& name, const at::Tensor& shard_tensor) {
+        const at::Tensor piece = shard_tensor.narrow(0, lo - bucket.shard_begin, hi - lo);
+        if (replicated) {
+          fn(name, piece.view(p.shape), ckpt::Sharding::replicated());
+        } else {
+          fn(name, piece, ckpt::Sharding::flat(p.shape, lo - p.offset, hi - p.offset));
+        }
+      };
+      for (size_t i = 0; i < names.size() && i < bucket.state.size(); ++i) {
+        describe("optim/" + p.name + "/" + names[i], bucket.state[i]);
+      }
+      if (bucket.master.defined()) describe("optim/" + p.name + "/master", bucket.master);
+    }
+  }
+
+  std::string optim_blob() const {
+    nlohmann::json blob;
+    blob["optimizer"] = optimizer ? optimizer->name() : "";
+    blob["step"] = steps;
+    blob["zero_stage"] = static_cast<int>(options.zero_stage);
+    return blob.dump();
+  }
+
+  void add_state(ckpt::State& state) {
+    for_each_state_tensor([&](const std::string& name, const at::Tensor& t,
+                              const ckpt::Sharding& sharding) { state.add(name, t, sharding); });
+    state.blobs["optim"] = optim_blob();
+  }
+
+  void load_state(const ckpt::State& source) {
+    std::map<std::string, const ckpt::TensorEntry*> by_name;
+    for (const ckpt::TensorEntry& entry : source.tensors) by_name[entry.name] = &entry;
+    const auto blob = source.blobs.find("optim");
+    LOOM_CHECK(blob != source.blobs.end(), InvalidArgument,
+               "DataParallel::load_state: the state has no 'optim' blob");
+    const nlohmann::json json = nlohmann::json::parse(blob->second);
+    const std::string saved_optimizer = json.at("optimizer").get<std::string>();
+    LOOM_CHECK(!optimizer || saved_optimizer == optimizer->name(), InvalidArgument,
+               "DataParallel::load_state: the state was saved with optimizer '", saved_optimizer,
+               "' but this one is '", optimizer->name(), "'");
+    torch::NoGradGuard no_grad;
+    for_each_state_tensor(
+        [&](const std::string& name, const at::Tensor& t, const ckpt::Sharding& sharding) {
+          const auto it = by_name.find(name);
+          LOOM_CHECK(it != by_name.end(), InvalidArgument, "DataParallel::load_state: no tensor '",
+                     name, "' in the state");
+          const ckpt::TensorEntry& entry = *it->second;
+          LOOM_CHECK(entry.tensor.numel() == t.numel() && entry.sharding.begin == sharding.begin &&
+                         entry.sharding.end == sharding.end,
+                     InvalidArgument, "DataParallel::load_state: '", name, "' holds ",
+                     entry.tensor.numel(), " elements [", entry.sharding.begin, ", ",
+                     entry.sharding.end, "), this rank needs ", t.numel(), " [", sharding.begin,
+                     ", ", sharding.end, ")");
+          if (!entry.tensor.is_same(t) && entry.tensor.data_ptr() != t.data_ptr()) {
+            t.copy_(entry.tensor.reshape(t.sizes()));
+          }
+        });
+    steps = json.at("step").get<int64_t>();
+    for (Bucket& bucket : buckets) {  // parameters are the rounded masters
+      if (bucket.master.defined()) {
+        bucket.data.narrow(0, bucket.shard_begin, bucket.shard_size()).copy_(bucket.master);
+      }
+    }
+    if (options.zero_stage != ZeroStage::kNone) gather_parameters();
+  }
+
+  int64_t optimizer_state_bytes() const {
+    int64_t bytes = 0;
+    for (const Bucket& bucket : buckets) {
+      for (const at::Tensor& t : bucket.state) bytes += t.numel() * t.element_size();
+      if (bucket.master.defined()) bytes += bucket.master.numel() * bucket.master.element_size();
+    }
+    return bytes;
+  }
+};
+
+void DataParallel::Impl::install_hooks() {
+  for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+    Param& p = params[i];
+    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
+    LOOM_CHECK(p.accumulator != nullptr, InvalidArgument, "DataParallel: parameter '", p.name,
+               "' has no gradient accumulator (is it a leaf?)");
+    p.hook_key = p.accumulator->add_post_hook(
+        std::make_unique<GradientReadyHook>([this, i] { on_gradient_accumulated(i); }));
+  }
+}
+
+DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group,
+                           const DataParallelOptions& options) {
+  LOOM_CHECK(module != nullptr, InvalidArgument, "DataParallel: module is null");
+  LOOM_CHECK(options.bucket_bytes > 0, InvalidArgument, "DataParallel: bucket_bytes must be > 0");
+  impl_ = std::make_unique<Impl>(std::move(module), group, options);
+  impl_->collect_parameters();
+  impl_->check_same_parameters(options.timeout);
+  impl_->build_buckets();
+  impl_->move_into_buckets();
+  impl_->broadcast_from_rank0(options.timeout);
+  impl_->init_masters();
+  impl_->install_hooks();
+}
+
+DataParallel::~DataParallel() {
+  for (Param& p : impl_->params) {
+    if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
+  }
+}
+
+torch::nn::Module& DataParallel::module() const { return *impl_->module; }
+const DataParallelOptions& DataParallel::options() const { return impl_->options; }
+void DataParallel::set_sync(bool sync) { impl_->sync = sync; }
+bool DataParallel::sync() const { return impl_->sync; }
+
+DataParallel::NoSync::NoSync(DataParallel& dp) : dp_(dp), previous_(dp.sync()) {
+  dp_.set_sync(false);
+}
+DataParallel::NoSync::~NoSync() { dp_.set_sync(previous_); }
+
+void DataParallel::finish_gradient_sync() { impl_->finish_gradient_sync(); }
+const SyncStats& DataParallel::last_sync_stats() const { return impl_->stats; }
+
+void DataParallel::zero_grad() {
+  torch::NoGradGuard no_grad;
+  for (Bucket& bucket : impl_->buckets) {
+    bucket.grad.zero_();
+    if (bucket.grad_shard.defined()) bucket.grad_shard.zero_();
+  }
+}
+
+double DataParallel::clip_grad_norm(double max_norm) { return impl_->clip_grad_norm(max_norm); }
+
+void DataParallel::set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer) {
+  LOOM_CHECK(optimizer != nullptr, InvalidArgument, "DataParallel::set_optimizer: null");
+  impl_->optimizer = std::move(optimizer);
+  impl_->allocate_state();
+  impl_->steps = 0;
+}
+
+optim::FlatOptimizer& DataParallel::optimizer() const {
+  LOOM_CHECK(impl_->optimizer != nullptr, InvalidArgument, "DataParallel: no optimizer set");
+  return *impl_->optimizer;
+}
+int64_t DataParallel::step_count() const { return impl_->steps; }
+void DataParallel::step() { impl_->step(); }
+void DataParallel::add_state(ckpt::State& state) { impl_->add_state(state); }
+void DataParallel::load_state(const ckpt::State& state) { impl_->load_state(state); }
+int64_t DataParallel::optimizer_state_bytes() const { return impl_->optimizer_state_bytes(); }
+int DataParallel::bucket_count() const { return static_cast<int>(impl_->buckets.size()); }
+
+std::vector<std::string> DataParallel::bucket_parameters(int b) const {
+  LOOM_CHECK(b >= 0 && b < bucket_count(), InvalidArgument, "DataParallel: no bucket ", b);
+  std::vector<std::string> names;
+  for (int i : impl_->buckets[b].params) names.push_back(impl_->params[i].name);
+  return names;
+}
+
+}  // namespace loom::parallel

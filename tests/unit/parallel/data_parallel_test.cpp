@@ -1,0 +1,315 @@
+// DataParallel with ranks as threads: DDP, ZeRO-1 and ZeRO-2 against single-process
+// torch::optim training for W = 1..4 (bitwise at W = 1), bad input (mismatched models, a rank
+// that skips backward, unused parameters), checkpoint state across world sizes, memory.
+
+#include "loom/parallel/data_parallel.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include "harness/harness.h"
+#include "loom/ckpt/state.h"
+#include "loom/comm/gloo.h"
+#include "loom/error.h"
+#include "unit/parallel/equivalence.h"
+
+namespace loom::parallel {
+namespace {
+
+using loom::testing::expect_all_ok;
+using loom::testing::Rank;
+using loom::testing::run_threads;
+using namespace loom::testing::parallel;  // NOLINT: the shared test model and reference
+using std::chrono::milliseconds;
+
+std::unique_ptr<comm::Group> make_group(Rank& r) {
+  comm::GlooOptions options;
+  options.connect_timeout = std::chrono::seconds(20);
+  return comm::new_gloo_group(r.store, r.rank, r.world, options);
+}
+
+class DataParallelWorld : public ::testing::TestWithParam<std::tuple<int, ZeroStage>> {
+ protected:
+  void SetUp() override { torch::set_num_threads(1); }  // process-wide: ranks are threads
+};
+
+TEST_P(DataParallelWorld, TrainsLikeSingleProcessTorchOptim) {
+  const auto [world, stage] = GetParam();
+  expect_all_ok(run_threads(world, [stage = stage](Rank& r) {
+    auto group = make_group(r);
+    check_equivalence(*group, stage);
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, DataParallelWorld,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(ZeroStage::kNone, ZeroStage::kOne,
+                                                              ZeroStage::kTwo)),
+                         [](const auto& info) {
+                           return std::string(to_string(std::get<1>(info.param))) + "_W" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
+
+TEST(DataParallel, BucketsFollowReverseRegistrationOrder) {
+  expect_all_ok(run_threads(1, [](Rank& r) {
+    auto group = make_group(r);
+    DataParallel dp(make_model(), *group, {.bucket_bytes = 1});  // one parameter per bucket
+    ASSERT_EQ(dp.bucket_count(), 6);
+    EXPECT_EQ(dp.bucket_parameters(0), std::vector<std::string>{"fc3.bias"});
+    EXPECT_EQ(dp.bucket_parameters(5), std::vector<std::string>{"fc1.weight"});
+  }));
+}
+
+TEST(DataParallel, MismatchedModelsAreAnErrorNamingRankAndParameter) {
+  const auto outcomes = run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = std::make_shared<Mlp>(r.rank == 0 ? 16 : 12);
+    const std::string message = loom::testing::error_of<InvalidArgument>(
+        [&] { DataParallel dp(model, *group, {.timeout = std::chrono::seconds(20)}); });
+    EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("fc1.weight|Float|[16, 8]"), std::string::npos) << message;
+    EXPECT_NE(message.find("fc1.weight|Float|[12, 8]"), std::string::npos) << message;
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(DataParallel, RankSkippingBackwardTimesOutNamingTheBucket) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model();
+    DataParallel dp(model, *group, {.bucket_bytes = 300, .timeout = milliseconds(500)});
+    if (r.rank == 1) {  // skips backward; stays alive past the peer's deadline
+      std::this_thread::sleep_for(milliseconds(2000));
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    loss_of(*model, at::ones({2, 8}), at::zeros({2, 4}), at::kFloat).backward();
+    const std::string message =
+        loom::testing::error_of<Timeout>([&] { dp.finish_gradient_sync(); });
+    EXPECT_NE(message.find("bucket 0 of"), std::string::npos) << message;
+    EXPECT_NE(message.find("fc3.bias"), std::string::npos) << message;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  }));
+}
+
+TEST(DataParallel, FinishWithoutBackwardIsAnError) {
+  expect_all_ok(run_threads(1, [](Rank& r) {
+    auto group = make_group(r);
+    DataParallel dp(make_model(), *group);
+    const std::string message =
+        loom::testing::error_of<InvalidArgument>([&] { dp.finish_gradient_sync(); });
+    EXPECT_NE(message.find("no gradient arrived"), std::string::npos) << message;
+  }));
+}
+
+TEST(DataParallel, SumReductionSumsTheRanksGradients) {
+  expect_all_ok(run_threads(3, [](Rank& r) {
+    auto group = make_group(r);
+    const at::Tensor x = at::full({2, 8}, 0.1 * (r.rank + 1));
+    const at::Tensor y = at::zeros({2, 4});
+    auto plain = make_model();  // this rank's local gradient, summed by hand
+    loss_of(*plain, x, y, at::kFloat).backward();
+    at::Tensor expected = plain->fc1->weight.grad().clone();
+    group->all_reduce(expected)->wait(std::chrono::seconds(20));
+
+    auto model = make_model();
+    DataParallel dp(model, *group,
+                    {.reduction = GradReduction::kSum, .timeout = std::chrono::seconds(20)});
+    loss_of(*model, x, y, at::kFloat).backward();
+    dp.finish_gradient_sync();
+    // Not bitwise: the ring sums a bucket's elements in another order than a lone tensor's.
+    EXPECT_LE(relative_error(model->fc1->weight.grad(), expected), 1e-6);
+  }));
+}
+
+TEST(DataParallel, SecondSyncedBackwardBeforeFinishIsAnError) {
+  expect_all_ok(run_threads(1, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model();
+    DataParallel dp(model, *group);
+    loss_of(*model, at::ones({2, 8}), at::zeros({2, 4}), at::kFloat).backward();
+    // The hook's InvalidArgument comes back out of backward() (autograd rethrows it).
+    const std::string message = loom::testing::error_of<InvalidArgument>([&] {
+      loss_of(*model, at::ones({2, 8}), at::zeros({2, 4}), at::kFloat).backward();
+    });
+    EXPECT_NE(message.find("no_sync"), std::string::npos) << message;
+  }));
+}
+
+struct PartlyUsed : Mlp {
+  at::Tensor forward(const at::Tensor& x) { return fc1(x).narrow(1, 0, 4); }  // fc2, fc3 unused
+};
+
+TEST(DataParallel, UnusedParametersAreNamedOrReducedOnRequest) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    for (bool find_unused : {false, true}) {
+      auto model = std::make_shared<PartlyUsed>();
+      DataParallel dp(model, *group,
+                      {.bucket_bytes = 300,
+                       .find_unused_parameters = find_unused,
+                       .timeout = std::chrono::seconds(20)});
+      dp.set_optimizer(std::make_unique<optim::Sgd>());
+      torch::mse_loss(model->forward(at::ones({2, 8})), at::zeros({2, 4})).backward();
+      if (!find_unused) {
+        const std::string message =
+            loom::testing::error_of<InvalidArgument>([&] { dp.finish_gradient_sync(); });
+        EXPECT_NE(message.find("fc3.weight"), std::string::npos) << message;
+        EXPECT_NE(message.find("find_unused_parameters"), std::string::npos) << message;
+        // The used buckets were reduced on both ranks alike: the group stays in step.
+        group->barrier({.timeout = std::chrono::seconds(20)})->wait();
+      } else {
+        dp.finish_gradient_sync();
+        dp.step();
+        EXPECT_TRUE(model->fc3->weight.grad().abs().sum().item<double>() == 0);
+      }
+    }
+  }));
+}
+
+TEST(DataParallel, NoSyncAccumulatesWithoutCommunication) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model();
+    DataParallel dp(model, *group, {.timeout = std::chrono::seconds(20)});
+    {
+      auto guard = dp.no_sync();
+      EXPECT_FALSE(dp.sync());
+      loss_of(*model, at::full({2, 8}, r.rank + 1.0), at::zeros({2, 4}), at::kFloat).backward();
+      dp.finish_gradient_sync();  // a no-op without sync
+    }
+    EXPECT_TRUE(dp.sync());
+    // Each rank still holds its own local gradient: nothing was reduced.
+    at::Tensor local = model->fc1->weight.grad().clone();
+    at::Tensor all = at::empty({2 * local.numel()});
+    group->all_gather(all, local.reshape(-1))->wait(std::chrono::seconds(20));
+    EXPECT_FALSE(
+        all.narrow(0, 0, local.numel()).equal(all.narrow(0, local.numel(), local.numel())));
+  }));
+}
+
+// A ZeRO-1 AdamW run at W = 1 saves its state; ranks at W = 2 and 3 load the re-sliced state
+// and continue; they end where the W = 1 run ends when it simply continues.
+class DataParallelState : public ::testing::TestWithParam<std::tuple<int, ZeroStage>> {};
+
+TEST_P(DataParallelState, SavedAtOneWorldSizeLoadsAtAnother) {
+  torch::set_num_threads(1);
+  const auto [world, stage] = GetParam();
+  for (bool bf16 : {false, true}) {
+    Scenario first{.name = "first", .stage = stage, .bf16 = bf16, .steps = 2};
+    Scenario more = first;
+    more.steps = 2;
+    std::map<std::string, at::Tensor> saved;  // name -> the global tensor
+    std::map<std::string, std::string> blobs;
+    std::map<std::string, at::Tensor> continued;
+    const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
+    expect_all_ok(run_threads(1, [&](Rank& r) {
+      auto group = make_group(r);
+      auto model = make_model(dtype);
+      DataParallel dp(model, *group, {.bucket_bytes = 300, .zero_stage = stage});
+      train_data_parallel(dp, *model, 0, 1, first);
+      ckpt::State state;
+      dp.add_state(state);
+      for (const auto& entry : state.tensors) {
+        if (entry.sharding.kind == ckpt::Sharding::Kind::kFlat) {
+          EXPECT_EQ(entry.sharding.begin, 0);
+          EXPECT_EQ(entry.sharding.end, entry.tensor.numel());  // W = 1 owns everything
+          saved[entry.name] = entry.tensor.clone().view(entry.sharding.global_shape);
+        } else {
+          saved[entry.name] = entry.tensor.clone();
+        }
+      }
+      blobs = state.blobs;
+      // Continue at W = 1 (same optimizer object and state); global batches of `world` ranks.
+      for (int step = 0; step < more.steps; ++step) {
+        const auto [x, y] = global_batch(10 + step, world, more);
+        dp.zero_grad();
+        loss_of(*model, x, y, dtype).backward();
+        dp.finish_gradient_sync();
+        dp.step();
+      }
+      for (const auto& item : model->named_parameters()) {
+        continued[item.key()] = item.value().detach().clone();
+      }
+    }));
+    ASSERT_TRUE(saved.count("optim/fc1.weight/exp_avg"));
+    EXPECT_EQ(saved.count("optim/fc1.weight/master"), bf16 ? 1u : 0u);
+    expect_all_ok(run_threads(world, [&, stage = stage, world = world](Rank& r) {
+      auto group = make_group(r);
+      auto model = make_model(dtype);
+      DataParallel dp(model, *group, {.bucket_bytes = 300, .zero_stage = stage});
+      dp.set_optimizer(make_flat_optimizer(first));
+      ckpt::State state;
+      dp.add_state(state);
+      for (auto& entry : state.tensors) {  // what a checkpointer does: fill the pieces
+        const at::Tensor& global = saved.at(entry.name);
+        if (entry.sharding.kind == ckpt::Sharding::Kind::kFlat) {
+          entry.tensor.copy_(global.reshape(-1).narrow(0, entry.sharding.begin,
+                                                       entry.sharding.end - entry.sharding.begin));
+        } else {
+          torch::NoGradGuard no_grad;
+          entry.tensor.copy_(global);
+        }
+      }
+      state.blobs = blobs;
+      dp.load_state(state);
+      EXPECT_EQ(dp.step_count(), 2);
+      for (int step = 0; step < more.steps; ++step) {
+        const auto [x, y] = global_batch(10 + step, world, more);
+        dp.zero_grad();
+        loss_of(*model, rows_of(x, r.rank, 0, more), rows_of(y, r.rank, 0, more), dtype).backward();
+        dp.finish_gradient_sync();
+        dp.step();
+      }
+      // bf16: the W = 1 run rounds one gradient of the whole batch to bf16, the ranks round
+      // their shares' gradients: they differ by bf16 rounding (~4e-3), not by the state.
+      expect_parameters_match(*model, continued, bf16 ? 2e-2 : 1e-6,
+                              "resumed at W=" + std::to_string(world));
+    }));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, DataParallelState,
+                         ::testing::Combine(::testing::Values(2, 3),
+                                            ::testing::Values(ZeroStage::kOne, ZeroStage::kTwo)),
+                         [](const auto& info) {
+                           return std::string(to_string(std::get<1>(info.param))) + "_W" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
+
+TEST(DataParallel, OptimizerStateShrinksWithTheWorld) {
+  torch::set_num_threads(1);
+  std::map<std::pair<int, int>, int64_t> bytes;  // (stage, world) -> rank 0's bytes
+  for (ZeroStage stage : {ZeroStage::kNone, ZeroStage::kOne}) {
+    for (int world : {1, 2, 4}) {
+      std::mutex mutex;
+      expect_all_ok(run_threads(world, [&](Rank& r) {
+        auto group = make_group(r);
+        auto model = std::make_shared<Mlp>(256);  // ~70k parameters
+        DataParallel dp(model, *group, {.bucket_bytes = 64 << 10, .zero_stage = stage});
+        dp.set_optimizer(std::make_unique<optim::AdamW>());
+        if (r.rank == 0) {
+          std::lock_guard<std::mutex> lock(mutex);
+          bytes[{static_cast<int>(stage), world}] = dp.optimizer_state_bytes();
+        }
+      }));
+      std::cout << "optimizer state bytes per rank, " << to_string(stage) << ", W=" << world << ": "
+                << bytes[{static_cast<int>(stage), world}] << "\n";
+    }
+  }
+  const int64_t full = bytes[{0, 1}];
+  const int64_t replicated_at_4 = bytes[{0, 4}];
+  EXPECT_EQ(replicated_at_4, full);
+  for (int world : {2, 4}) {
+    const double share = static_cast<double>(bytes[{1, world}]) / full;
+    EXPECT_NEAR(share, 1.0 / world, 0.01) << "W=" << world;
+  }
+}
+
+}  // namespace
+}  // namespace loom::parallel

@@ -1,0 +1,251 @@
+// Shared by the parallel unit tests (ranks as threads) and integration tests (ranks as
+// processes): a small MLP, deterministic data, the single-process torch::optim reference, and
+// the check that DataParallel (DDP, ZeRO-1, ZeRO-2) trains to the same parameters.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/comm/group.h"
+#include "loom/parallel/data_parallel.h"
+
+namespace loom::testing::parallel {
+
+using loom::parallel::DataParallel;
+using loom::parallel::ZeroStage;
+
+struct Mlp : torch::nn::Module {
+  explicit Mlp(int64_t hidden = 16) {
+    fc1 = register_module("fc1", torch::nn::Linear(8, hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, hidden));
+    fc3 = register_module("fc3", torch::nn::Linear(hidden, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc3(torch::tanh(fc2(torch::tanh(fc1(x))))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+
+// Deterministic initial parameters, by name (independent of torch's global generator).
+inline std::map<std::string, at::Tensor> initial_parameters() {
+  Mlp model;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+  std::map<std::string, at::Tensor> values;
+  for (const auto& item : model.named_parameters()) {
+    values[item.key()] = at::randn(item.value().sizes(), gen) * 0.3;
+  }
+  return values;
+}
+
+inline std::shared_ptr<Mlp> make_model(at::ScalarType dtype = at::kFloat) {
+  auto model = std::make_shared<Mlp>();
+  const auto init = initial_parameters();
+  torch::NoGradGuard no_grad;
+  for (auto& item : model->named_parameters()) item.value().copy_(init.at(item.key()));
+  model->to(dtype);
+  return model;
+}
+
+struct Scenario {
+  std::string name;
+  ZeroStage stage = ZeroStage::kNone;
+  bool adamw = true;             // else SGD with momentum
+  bool torch_optimizer = false;  // kNone only: torch::optim on the module's parameters
+  int micro_steps = 1;           // gradient accumulation
+  double clip = 0;               // max norm; 0 = no clipping
+  bool bf16 = false;             // bf16 parameters, fp32 masters
+  int steps = 3;
+  int64_t rows = 4;           // per rank per micro-step
+  size_t bucket_bytes = 300;  // small: several buckets, some cutting through parameters' ranks
+};
+
+inline optim::AdamWOptions adamw_options() {
+  return {.lr = 1e-2, .eps = 1e-6, .weight_decay = 1e-2};
+}
+inline optim::SgdOptions sgd_options() {
+  return {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3};
+}
+
+// The global batch of one step: world * micro_steps * rows rows.
+inline std::pair<at::Tensor, at::Tensor> global_batch(int step, int world, const Scenario& s) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+  const int64_t n = world * s.micro_steps * s.rows;
+  return {at::randn({n, 8}, gen), at::randn({n, 4}, gen)};
+}
+
+// Rows of rank r's micro-step m.
+inline at::Tensor rows_of(const at::Tensor& t, int rank, int micro, const Scenario& s) {
+  return t.narrow(0, (rank * s.micro_steps + micro) * s.rows, s.rows);
+}
+
+inline at::Tensor loss_of(Mlp& model, const at::Tensor& x, const at::Tensor& y,
+                          at::ScalarType dtype) {
+  // Mean squared error, written out: mse_loss has no bf16 CPU kernel in libtorch 1.13.
+  return (model.forward(x.to(dtype)) - y.to(dtype)).square().mean();
+}
+
+// Single-process training on the concatenated batch with torch::optim. For bf16, the
+// reference is computed the way the ranks do it: each rank's micro-batches accumulate bf16
+// gradients; they are averaged in fp32 and rounded to bf16 (what the all-reduce does), and
+// torch::optim steps fp32 masters that are rounded into the bf16 parameters.
+inline std::map<std::string, at::Tensor> reference_training(int world, const Scenario& s) {
+  const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
+  auto model = make_model(dtype);
+  std::vector<at::Tensor> params = model->parameters();
+  std::vector<at::Tensor> masters;
+  for (const at::Tensor& p : params) {
+    masters.push_back(p.detach().to(at::kFloat).requires_grad_(true));
+  }
+  std::vector<at::Tensor>& stepped = s.bf16 ? masters : params;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (s.adamw) {
+    const auto o = adamw_options();
+    opt = std::make_unique<torch::optim::AdamW>(
+        stepped, torch::optim::AdamWOptions(o.lr).eps(o.eps).weight_decay(o.weight_decay));
+  } else {
+    const auto o = sgd_options();
+    opt = std::make_unique<torch::optim::SGD>(
+        stepped, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+  }
+  for (int step = 0; step < s.steps; ++step) {
+    const auto [x, y] = global_batch(step, world, s);
+    if (!s.bf16) {
+      for (at::Tensor& p : params) p.mutable_grad() = at::Tensor();
+      loss_of(*model, x, y, dtype).backward();
+      if (s.clip > 0) torch::nn::utils::clip_grad_norm_(params, s.clip);
+      opt->step();
+      continue;
+    }
+    std::vector<at::Tensor> sums;
+    for (const at::Tensor& p : params) sums.push_back(at::zeros(p.sizes(), at::kFloat));
+    for (int r = 0; r < world; ++r) {
+      for (at::Tensor& p : params) p.mutable_grad() = at::zeros_like(p);
+      for (int m = 0; m < s.micro_steps; ++m) {
+        (loss_of(*model, rows_of(x, r, m, s), rows_of(y, r, m, s), dtype) / s.micro_steps)
+            .backward();
+      }
+      for (size_t i = 0; i < params.size(); ++i) sums[i] += params[i].grad().to(at::kFloat);
+    }
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      masters[i].mutable_grad() = (sums[i] / world).to(at::kBFloat16).to(at::kFloat);
+    }
+    opt->step();
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
+  }
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model->named_parameters())
+    out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+inline std::unique_ptr<optim::FlatOptimizer> make_flat_optimizer(const Scenario& s) {
+  if (s.adamw) return std::make_unique<optim::AdamW>(adamw_options());
+  return std::make_unique<optim::Sgd>(sgd_options());
+}
+
+// Trains `model` on this rank's share of the scenario's batches. The model must start from
+// make_model's parameters (on rank 0 at least: DataParallel broadcasts them).
+inline void train_data_parallel(DataParallel& dp, Mlp& model, int rank, int world,
+                                const Scenario& s) {
+  const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
+  std::unique_ptr<torch::optim::Optimizer> torch_opt;
+  if (s.torch_optimizer) {
+    const auto o = adamw_options();
+    torch_opt = std::make_unique<torch::optim::AdamW>(
+        model.parameters(),
+        torch::optim::AdamWOptions(o.lr).eps(o.eps).weight_decay(o.weight_decay));
+  } else {
+    dp.set_optimizer(make_flat_optimizer(s));
+  }
+  for (int step = 0; step < s.steps; ++step) {
+    const auto [x, y] = global_batch(step, world, s);
+    dp.zero_grad();
+    for (int m = 0; m < s.micro_steps; ++m) {
+      const bool last = m + 1 == s.micro_steps;
+      dp.set_sync(last);
+      (loss_of(model, rows_of(x, rank, m, s), rows_of(y, rank, m, s), dtype) / s.micro_steps)
+          .backward();
+    }
+    dp.finish_gradient_sync();
+    if (s.clip > 0) dp.clip_grad_norm(s.clip);
+    if (torch_opt) {
+      torch_opt->step();
+    } else {
+      dp.step();
+    }
+  }
+}
+
+// max |a - b| / max |b|: 0 when bitwise equal.
+inline double relative_error(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor fa = a.to(at::kDouble);
+  const at::Tensor fb = b.to(at::kDouble);
+  const double scale = fb.abs().max().item<double>();
+  return (fa - fb).abs().max().item<double>() / (scale > 0 ? scale : 1.0);
+}
+
+// Every parameter of `model` within `tolerance` of the reference (bitwise when 0).
+inline void expect_parameters_match(Mlp& model, const std::map<std::string, at::Tensor>& expected,
+                                    double tolerance, const std::string& what) {
+  for (const auto& item : model.named_parameters()) {
+    const at::Tensor& actual = item.value();
+    const at::Tensor& reference = expected.at(item.key());
+    if (tolerance == 0) {
+      EXPECT_TRUE(actual.detach().equal(reference))
+          << what << ": " << item.key() << " differs from the reference (bitwise expected), "
+          << "relative error " << relative_error(actual.detach(), reference);
+    } else {
+      EXPECT_LE(relative_error(actual.detach(), reference), tolerance)
+          << what << ": " << item.key();
+    }
+  }
+}
+
+inline std::vector<Scenario> scenarios_for(ZeroStage stage) {
+  std::vector<Scenario> out;
+  out.push_back({.name = "adamw", .stage = stage});
+  out.push_back({.name = "sgd-accumulate-clip",
+                 .stage = stage,
+                 .adamw = false,
+                 .micro_steps = 2,
+                 .clip = 0.05});
+  out.push_back({.name = "adamw-clip", .stage = stage, .clip = 0.05});
+  out.push_back({.name = "adamw-bf16-accumulate", .stage = stage, .micro_steps = 2, .bf16 = true});
+  if (stage == ZeroStage::kNone) {
+    out.push_back({.name = "torch-adamw", .stage = stage, .torch_optimizer = true});
+  }
+  return out;
+}
+
+// One rank's part of the equivalence check: every scenario of `stage`, against references
+// computed on this rank.
+inline void check_equivalence(comm::Group& group, ZeroStage stage) {
+  const int world = group.size();
+  for (const Scenario& s : scenarios_for(stage)) {
+    const auto expected = reference_training(world, s);
+    auto model = make_model(s.bf16 ? at::kBFloat16 : at::kFloat);
+    if (group.rank() != 0) {  // the broadcast at construction must overwrite these
+      torch::NoGradGuard no_grad;
+      for (at::Tensor& p : model->parameters()) p.add_(1.0);
+    }
+    DataParallel dp(
+        model, group,
+        {.bucket_bytes = s.bucket_bytes, .zero_stage = stage, .timeout = std::chrono::seconds(60)});
+    EXPECT_GT(dp.bucket_count(), 1);
+    train_data_parallel(dp, *model, group.rank(), world, s);
+    const auto init = initial_parameters();  // training moved the parameters (not vacuous)
+    EXPECT_GT(relative_error(model->fc2->weight.detach(), init.at("fc2.weight")), 1e-3) << s.name;
+    const bool bitwise = world == 1 && s.micro_steps == 1;
+    expect_parameters_match(
+        *model, expected, bitwise ? 0.0 : 1e-6,
+        std::string(to_string(stage)) + "/" + s.name + " at W=" + std::to_string(world));
+  }
+}
+
+}  // namespace loom::testing::parallel
