@@ -71,6 +71,14 @@ std::vector<json> wait_probes(const TempDir& dir, int generation, int count, std
   }
 }
 
+// Every launcher test needs the gRPC control plane.
+class Launcher : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!LOOM_WITH_GRPC) GTEST_SKIP() << "built with LOOM_WITH_GRPC=OFF";
+  }
+};
+
 int finish(Launch& l, std::chrono::seconds timeout = std::chrono::seconds(60)) {
   auto status = l.process.wait_for(timeout);
   if (!status) {
@@ -81,7 +89,7 @@ int finish(Launch& l, std::chrono::seconds timeout = std::chrono::seconds(60)) {
   return status->signal ? 128 + status->signal : status->code;
 }
 
-TEST(Launcher, OneNodeTwoWorkersRendezvousAndAllReduce) {
+TEST_F(Launcher, OneNodeTwoWorkersRendezvousAndAllReduce) {
   TempDir dir;
   Launch job = launch(dir, "job", {"--nproc-per-node", "2"}, {});
   ASSERT_EQ(finish(job), 0) << job.text();
@@ -95,7 +103,7 @@ TEST(Launcher, OneNodeTwoWorkersRendezvousAndAllReduce) {
   EXPECT_TRUE(fs::exists(dir / "run" / "logs" / "worker_1.out"));
 }
 
-TEST(Launcher, TwoAgentsTimesTwoWorkers) {
+TEST_F(Launcher, TwoAgentsTimesTwoWorkers) {
   TempDir dir;
   const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
   const auto start = Clock::now();
@@ -113,7 +121,7 @@ TEST(Launcher, TwoAgentsTimesTwoWorkers) {
               std::chrono::duration<double>(Clock::now() - start).count());
 }
 
-TEST(Launcher, RendezvousOfEightWorkers) {
+TEST_F(Launcher, RendezvousOfEightWorkers) {
   TempDir dir;
   const int64_t start_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                                std::chrono::system_clock::now().time_since_epoch()).count();
@@ -130,7 +138,7 @@ TEST(Launcher, RendezvousOfEightWorkers) {
               static_cast<long long>(last - start_ms));
 }
 
-TEST(Launcher, KilledWorkerRestartsTheGeneration) {
+TEST_F(Launcher, KilledWorkerRestartsTheGeneration) {
   TempDir dir;
   Launch job = launch(dir, "job", {"--nproc-per-node", "2", "--max-restarts", "2", "--grace-period", "2"},
                       {"--probe.steps=30", "--probe.step_ms=100"});
@@ -149,14 +157,14 @@ TEST(Launcher, KilledWorkerRestartsTheGeneration) {
   EXPECT_NE(job.text().find("rank 1 killed by signal 9"), std::string::npos) << job.text();
 }
 
-TEST(Launcher, FailuresBeyondMaxRestartsFailTheJobWithTheWorkersCode) {
+TEST_F(Launcher, FailuresBeyondMaxRestartsFailTheJobWithTheWorkersCode) {
   TempDir dir;
   Launch job = launch(dir, "job", {"--nproc-per-node", "2", "--max-restarts", "1"}, {"--probe.exit_code=7"});
   EXPECT_EQ(finish(job), 7) << job.text();
   EXPECT_EQ(wait_probes(dir, 2, 2, std::chrono::seconds(1)).size(), 2u) << "one restart happened";
 }
 
-TEST(Launcher, ElasticJobContinuesWhenANodeIsLost) {
+TEST_F(Launcher, ElasticJobContinuesWhenANodeIsLost) {
   TempDir dir;
   const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
   const std::vector<std::string> common = {"--nnodes", "1:2", "--nproc-per-node", "2", "--coordinator", coordinator,
@@ -183,7 +191,7 @@ TEST(Launcher, ElasticJobContinuesWhenANodeIsLost) {
   EXPECT_NE(node0.text().find("lost"), std::string::npos) << node0.text();
 }
 
-TEST(Launcher, WrongTokenIsRefused) {
+TEST_F(Launcher, WrongTokenIsRefused) {
   TempDir dir;
   const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
   const std::vector<std::string> common = {"--nnodes", "2", "--coordinator", coordinator, "--rendezvous-timeout", "20"};
@@ -200,7 +208,7 @@ TEST(Launcher, WrongTokenIsRefused) {
   EXPECT_NE(node0.text().find("refused Join"), std::string::npos) << node0.text();
 }
 
-TEST(Launcher, BadArgumentsAreClearErrors) {
+TEST_F(Launcher, BadArgumentsAreClearErrors) {
   TempDir dir;
   auto run = [&](std::vector<std::string> args) {
     args.insert(args.begin(), {kLoom, "run"});

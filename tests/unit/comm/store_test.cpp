@@ -1,5 +1,6 @@
-// The Store contract, checked against every backend (InMemoryStore, FileStore, and PrefixStore
-// over each), plus what is particular to PrefixStore and FileStore.
+// The Store contract, checked against every backend (InMemoryStore, FileStore, PrefixStore
+// over each, and the coordinator's CoordinatorStore), plus what is particular to PrefixStore
+// and FileStore.
 
 #include "loom/comm/store.h"
 
@@ -12,6 +13,8 @@
 #include <vector>
 
 #include "harness/harness.h"
+#include "loom/control/coordinator.h"
+#include "loom/control/store.h"
 #include "loom/error.h"
 
 namespace loom::comm {
@@ -33,6 +36,12 @@ struct FileBackend {
   FileStore store{dir / "store"};
 };
 
+// The coordinator's gRPC key-value service (control/), which must keep the same contract.
+struct CoordinatorBackend {
+  control::Coordinator coordinator{{.token = "job-token"}};
+  control::CoordinatorStore store{coordinator.address(), "job-token"};
+};
+
 template <typename Base>
 struct PrefixBackend {
   Base base;
@@ -48,8 +57,13 @@ class StoreTest : public ::testing::Test {
   Backend backend_;
 };
 
+#if LOOM_WITH_GRPC
+using Backends = ::testing::Types<InMemoryBackend, FileBackend, PrefixBackend<InMemoryBackend>,
+                                  PrefixBackend<FileBackend>, CoordinatorBackend>;
+#else
 using Backends = ::testing::Types<InMemoryBackend, FileBackend, PrefixBackend<InMemoryBackend>,
                                   PrefixBackend<FileBackend>>;
+#endif
 TYPED_TEST_SUITE(StoreTest, Backends);
 
 TYPED_TEST(StoreTest, SetThenGetReturnsTheValue) {

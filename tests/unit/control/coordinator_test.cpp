@@ -1,0 +1,125 @@
+// The coordinator: job tokens, where it may listen, and rendezvous rounds driven through its
+// client API by threads standing in for agents. The launcher itself is tested with real
+// processes in tests/integration/launcher_test.cpp.
+#include "loom/control/coordinator.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "control/client.h"
+#include "harness/harness.h"
+#include "loom/control/store.h"
+#include "loom/error.h"
+
+namespace loom::control {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::error_of;
+
+TEST(Coordinator, RefusesAWrongOrMissingToken) {
+  Coordinator coordinator({.token = "secret"});
+  CoordinatorStore right(coordinator.address(), "secret");
+  right.set("k", "v");
+  CoordinatorStore wrong(coordinator.address(), "guess");
+  auto message = error_of<CommError>([&] { wrong.get("k", milliseconds(100)); });
+  EXPECT_NE(message.find("refused the job token"), std::string::npos) << message;
+  CoordinatorStore none(coordinator.address(), "");
+  EXPECT_THROW(none.set("k", "w"), CommError);
+  EXPECT_EQ(right.get("k", milliseconds(100)), "v");
+}
+
+TEST(Coordinator, ListensBeyondLoopbackOnlyWhenAllowedAndWithAToken) {
+  auto message = error_of<InvalidArgument>([] { Coordinator({.address = "0.0.0.0:0"}); });
+  EXPECT_NE(message.find("--coordinator-public"), std::string::npos) << message;
+  message = error_of<InvalidArgument>([] { Coordinator({.address = "0.0.0.0:0", .allow_non_loopback = true}); });
+  EXPECT_NE(message.find("token"), std::string::npos) << message;
+  Coordinator open({.address = "0.0.0.0:0", .allow_non_loopback = true, .token = generate_token()});
+  EXPECT_NE(open.address().find(':'), std::string::npos);
+}
+
+TEST(Coordinator, UnreachableCoordinatorIsAClearError) {
+  CoordinatorStore store("127.0.0.1:1", "", milliseconds(300));
+  auto message = error_of<Timeout>([&] { store.set("k", "v"); });
+  EXPECT_NE(message.find("127.0.0.1:1"), std::string::npos) << message;
+}
+
+v1::JoinReply join(const CoordinatorClient& client, const std::string& node, int nproc, int hint) {
+  v1::JoinRequest req;
+  req.set_node_id(node);
+  req.set_nproc(nproc);
+  req.set_node_rank_hint(hint);
+  req.set_timeout_ms(10000);
+  return client.call("Join", &CoordinatorClient::Stub::Join, req, milliseconds(10000));
+}
+
+TEST(Coordinator, ARoundAssignsNodeRanksAndRankOffsets) {
+  Coordinator coordinator({.min_nodes = 3, .max_nodes = 3});
+  CoordinatorClient client(coordinator.address(), "", milliseconds(5000));
+  std::vector<v1::JoinReply> replies(3);
+  std::vector<std::thread> agents;
+  const int nprocs[] = {2, 3, 1};
+  for (int i = 0; i < 3; ++i) {
+    // Hints order the nodes: agent i asks for node rank 2 - i.
+    agents.emplace_back([&, i] { replies[i] = join(client, "node" + std::to_string(i), nprocs[i], 2 - i); });
+  }
+  for (auto& t : agents) t.join();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(replies[i].admitted());
+    EXPECT_EQ(replies[i].generation(), 1);
+    EXPECT_EQ(replies[i].node_rank(), 2 - i);
+    EXPECT_EQ(replies[i].world_size(), 6);
+  }
+  EXPECT_EQ(replies[2].rank_offset(), 0);  // node rank 0: 1 worker
+  EXPECT_EQ(replies[1].rank_offset(), 1);  // node rank 1: 3 workers
+  EXPECT_EQ(replies[0].rank_offset(), 4);  // node rank 2: 2 workers
+}
+
+TEST(Coordinator, AReportedFailureEndsTheGenerationAndCountsAsARestart) {
+  Coordinator coordinator({.max_restarts = 1});
+  CoordinatorClient client(coordinator.address(), "", milliseconds(5000));
+  EXPECT_EQ(join(client, "a", 1, 0).generation(), 1);
+  v1::FailureRequest failure;
+  failure.set_node_id("a");
+  failure.set_generation(1);
+  failure.set_exit_code(5);
+  failure.set_reason("rank 0 exited with code 5");
+  client.call("ReportFailure", &CoordinatorClient::Stub::ReportFailure, failure);
+  v1::HeartbeatRequest beat;
+  beat.set_node_id("a");
+  beat.set_rank(-1);
+  beat.set_generation(1);
+  EXPECT_EQ(client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat).state(), v1::ENDED);
+  const auto second = join(client, "a", 1, 0);
+  EXPECT_EQ(second.generation(), 2);
+  EXPECT_EQ(second.restarts(), 1);
+  failure.set_generation(2);
+  client.call("ReportFailure", &CoordinatorClient::Stub::ReportFailure, failure);
+  beat.set_generation(2);
+  const auto over = client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat);
+  EXPECT_EQ(over.state(), v1::FAILED);
+  EXPECT_EQ(over.exit_code(), 5);  // the first failure's code
+  EXPECT_TRUE(coordinator.done());
+}
+
+TEST(Coordinator, ASilentWorkerEndsItsGeneration) {
+  Coordinator coordinator({.max_restarts = 3, .worker_timeout = milliseconds(300)});
+  CoordinatorClient client(coordinator.address(), "", milliseconds(5000));
+  join(client, "a", 1, 0);
+  v1::HeartbeatRequest worker;
+  worker.set_rank(0);
+  worker.set_generation(1);
+  worker.set_step(12);
+  client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, worker);
+  const auto status = client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
+  ASSERT_EQ(status.workers_size(), 1);
+  EXPECT_EQ(status.workers(0).step(), 12);
+  std::this_thread::sleep_for(milliseconds(800));
+  const auto after = client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
+  EXPECT_EQ(after.state(), v1::ENDED);
+  EXPECT_NE(after.last_failure().find("rank 0 missed heartbeats"), std::string::npos) << after.last_failure();
+}
+
+}  // namespace
+}  // namespace loom::control
