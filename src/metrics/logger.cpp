@@ -117,9 +117,14 @@ StepMetrics MetricsLogger::log_step(const StepRecord& record) {
       clear_progress_line();
       log_.info("{}", progress_line(m));
     }
-    std::fprintf(stderr, "\r\x1b[K%s", progress_line(m).c_str());
-    std::fflush(stderr);
-    line_open_ = true;
+    // Redraw at most 10 times a second: tiny models run thousands of steps a second.
+    const auto now = std::chrono::steady_clock::now();
+    if (log_line || !line_open_ || now - last_redraw_ >= std::chrono::milliseconds(100)) {
+      std::fprintf(stderr, "\r\x1b[K%s", progress_line(m).c_str());
+      std::fflush(stderr);
+      line_open_ = true;
+      last_redraw_ = now;
+    }
   } else if (log_line) {
     log_.info("{}", progress_line(m));
   }

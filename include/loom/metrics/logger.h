@@ -18,6 +18,7 @@
 // write metrics.jsonl is IoError; goodput.json as in goodput.h.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -122,6 +123,7 @@ class MetricsLogger {
   double samples_ema_ = 0;
   double ema_weight_ = 0;  // 1 - smoothing^n, to debias the EMA's start
   bool line_open_ = false;
+  std::chrono::steady_clock::time_point last_redraw_;
 };
 
 }  // namespace loom::metrics

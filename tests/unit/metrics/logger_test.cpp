@@ -206,6 +206,28 @@ TEST(MetricsLogger, OtherRanksWriteNothing) {
   EXPECT_TRUE(log.out.str().empty());
 }
 
+TEST(MetricsLogger, OnATerminalTheLineIsRedrawnAndStillLoggedEveryLogEvery) {
+  testing::TempDir dir;
+  CapturedLog log;
+  MetricsOptions o = options();
+  o.tty = true;
+  o.log_every = 3;
+  ::testing::internal::CaptureStderr();
+  {
+    MetricsLogger logger(dir.path(), true, *log.logger, o);
+    for (int64_t step = 0; step < 3; ++step) {
+      logger.log_step({.step = step, .tokens = 1, .times = times(0, 0.1, 0)});
+    }
+  }
+  const std::string terminal = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(terminal.find("\r\x1b[Kstep 0 |"), std::string::npos) << terminal;
+  EXPECT_NE(terminal.find("\r\x1b[Kstep 2 |"), std::string::npos) << terminal;
+  EXPECT_EQ(terminal.back(), '\n');  // the destructor ends the open line
+  const std::string logged = log.out.str();
+  EXPECT_NE(logged.find("step 2 |"), std::string::npos) << logged;
+  EXPECT_EQ(logged.find("step 1 |"), std::string::npos) << logged;
+}
+
 TEST(MetricsLogger, ProgressLineNamesTheFigures) {
   StepMetrics m;
   m.record = {.step = 120, .epoch = 1, .loss = 3.25, .lr = 3e-4, .grad_norm = 1.5, .tokens = 2048};
