@@ -26,4 +26,4 @@ if [ ! -f data/kjv-val-bpe/manifest.json ]; then
     --out data/kjv-val-bpe
 fi
 "$build/examples/gpt" --config=examples/gpt/configs/tiny.toml "$@"
-echo "run-gpt: metrics in runs/gpt-tiny/metrics.jsonl, result in runs/gpt-tiny/result.json"
+echo "run-gpt: metrics.jsonl, goodput.json and result.json are in the run directory (runs/gpt-tiny unless --run.dir)"

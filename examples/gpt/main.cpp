@@ -33,7 +33,8 @@ loom::ConfigSchema keys() {
   s.add("train.weight_decay", 0.1, "AdamW weight decay on matrices (not biases, LayerNorms)");
   s.add("train.grad_clip", 1.0, "clip the global gradient norm to this; 0 = no clipping");
   s.add("train.log_every", 20, "steps between progress log lines (when not on a terminal)");
-  s.add("eval.every", 100, "steps between held-out evaluations and samples; 0 = only at the end");
+  s.add("eval.every", 100,
+        "steps between held-out evaluations and samples; 0 = only at the start and the end");
   s.add("eval.batches", 8, "held-out batches of train.batch_size sequences per evaluation");
   s.add("sample.prompt", "And God said", "text the samples start from");
   s.add("sample.tokens", 48, "tokens to generate per sample");
