@@ -11,6 +11,7 @@
 
 #include "harness/harness.h"
 #include "loom/error.h"
+#include "loom/runtime.h"
 
 namespace loom::metrics {
 namespace {
@@ -244,6 +245,25 @@ TEST(MetricsLogger, ProgressLineNamesTheFigures) {
   EXPECT_NE(line.find("MFU 21.3%"), std::string::npos) << line;
   EXPECT_NE(line.find("data 10% fwd/bwd 80% opt 10%"), std::string::npos) << line;
   EXPECT_NE(line.find("rss 1.50 GiB | goodput 93.0%"), std::string::npos) << line;
+}
+
+// Through a Runtime: files in its run dir on rank 0, nothing written on rank 1.
+TEST(MetricsLogger, UsesTheRuntimesRunDirAndRank) {
+  testing::TempDir dir;
+  for (int rank : {0, 1}) {
+    const std::filesystem::path run = dir / ("run" + std::to_string(rank));
+    Config config = Config::load(
+        Runtime::schema(),
+        {.read_env = false, .overrides = {"run.dir=" + run.string(), "log.level=warn"}});
+    Runtime rt = Runtime::init(config, Topology{.rank = rank, .world_size = 2},
+                               /*configure_process=*/false);
+    {
+      MetricsLogger logger(rt, options());
+      logger.log_step({.step = 0, .tokens = 8, .times = times(0, 0.1, 0)});
+    }
+    EXPECT_EQ(std::filesystem::exists(run / "metrics.jsonl"), rank == 0) << rank;
+    EXPECT_EQ(std::filesystem::exists(run / "goodput.json"), rank == 0) << rank;
+  }
 }
 
 TEST(MetricsLogger, BadOptionsAreInvalidArgument) {
