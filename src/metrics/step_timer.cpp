@@ -1,0 +1,84 @@
+// Per-step phase timing with exclusive (innermost-phase) accounting (see step_timer.h).
+#include "loom/metrics/step_timer.h"
+
+#include "loom/error.h"
+
+namespace loom::metrics {
+
+const char* to_string(Phase phase) {
+  switch (phase) {
+    case Phase::kDataWait:
+      return "data_wait";
+    case Phase::kForwardBackward:
+      return "forward_backward";
+    case Phase::kCommWait:
+      return "comm_wait";
+    case Phase::kOptimizer:
+      return "optimizer";
+    case Phase::kCheckpointStall:
+      return "checkpoint_stall";
+    case Phase::kOther:
+      return "other";
+  }
+  return "unknown";
+}
+
+StepTimer::StepTimer(Clock clock)
+    : clock_(clock ? std::move(clock) : Clock([] { return std::chrono::steady_clock::now(); })) {}
+
+StepTimer::Scope::Scope(Scope&& other) noexcept : timer_(other.timer_) { other.timer_ = nullptr; }
+
+StepTimer::Scope::~Scope() { stop(); }
+
+void StepTimer::Scope::stop() {
+  if (timer_ == nullptr) return;
+  StepTimer* timer = timer_;
+  timer_ = nullptr;
+  timer->pop();
+}
+
+void StepTimer::begin_step() {
+  LOOM_CHECK(!in_step_, InvalidArgument,
+             "StepTimer::begin_step: the previous step was not ended (call end_step first)");
+  in_step_ = true;
+  current_ = StepTimes{};
+  step_start_ = clock_();
+  mark_ = step_start_;
+}
+
+StepTimer::Scope StepTimer::phase(Phase phase) {
+  push(phase);
+  return Scope(this);
+}
+
+void StepTimer::charge(std::chrono::steady_clock::time_point now) {
+  const Phase top = open_.empty() ? Phase::kOther : open_.back();
+  current_[top] += std::chrono::duration<double>(now - mark_).count();
+  mark_ = now;
+}
+
+void StepTimer::push(Phase phase) {
+  LOOM_CHECK(in_step_, InvalidArgument, "StepTimer::phase(", to_string(phase),
+             ") outside a step: call begin_step first");
+  charge(clock_());
+  open_.push_back(phase);
+}
+
+void StepTimer::pop() {
+  // A Scope only exists after a successful push, so open_ is not empty here.
+  charge(clock_());
+  open_.pop_back();
+}
+
+StepTimes StepTimer::end_step() {
+  LOOM_CHECK(in_step_, InvalidArgument, "StepTimer::end_step without begin_step");
+  LOOM_CHECK(open_.empty(), InvalidArgument, "StepTimer::end_step while phase ",
+             to_string(open_.back()), " is still open (a Scope outlived its step)");
+  const auto now = clock_();
+  charge(now);
+  current_.total = std::chrono::duration<double>(now - step_start_).count();
+  in_step_ = false;
+  return current_;
+}
+
+}  // namespace loom::metrics
