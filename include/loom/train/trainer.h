@@ -1,0 +1,121 @@
+// train::Trainer: the training loop, joining every other area.
+//
+//   step:  batch = reader.next()                             (data wait)
+//          split into micro-batches; forward/backward each   (gradient sync overlaps backward)
+//          dp.finish_gradient_sync()                         (communication wait)
+//          clip to the global norm; lr = schedule(step)
+//          dp.step()                                         (optimizer; ZeRO all-gathers)
+//          metrics (metrics.jsonl, progress line), eval every N steps,
+//          an async checkpoint every N steps whose copy overlaps the next step's compute.
+//
+// fit() first resumes from the newest committed checkpoint in <run_dir>/ckpt (model, optimizer
+// shards, reader position, RNG, step), at the same or another world size, so a job restarted
+// by `loom run` continues where it stopped. SIGTERM (what `loom run` sends to stop a job)
+// finishes the current step, saves, and returns. docs/training.md.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+
+#include "loom/config.h"
+#include "loom/train/schedule.h"
+
+namespace loom {
+class Runtime;
+namespace data {
+class Reader;
+struct Batch;
+}  // namespace data
+namespace parallel {
+class DataParallel;
+}
+}  // namespace loom
+
+namespace loom::train {
+
+// What to do when the global gradient norm is not finite.
+enum class NonFinite {
+  kStop,  // raise loom::Error naming the step and the first parameter with a non-finite gradient
+  kSkip,  // skip the optimizer step (no update), count it, log a warning, go on
+};
+
+struct TrainOptions {
+  int64_t steps = 1000;          // optimizer steps of the whole run (a resumed run counts on)
+  int64_t micro_batches = 1;     // gradient accumulation: each rank's batch is split in this many
+  double grad_clip = 1.0;        // max global gradient norm; 0 = no clipping (the norm is logged)
+  Schedule schedule = Schedule::constant(1e-3);
+  int64_t eval_every = 0;        // Callbacks::on_eval every this many steps; 0 = never
+  int64_t checkpoint_every = 0;  // async checkpoint every this many steps; 0 = only at the end
+  int keep_last = 3;             // committed checkpoints kept (plus none kept by step)
+  bool overlap_checkpoint_copy = true;  // copy the state during the next step's compute
+  NonFinite on_non_finite = NonFinite::kStop;
+  int64_t log_every = 10;        // a metrics log line every this many steps (without a TTY)
+  double flops_per_token = 0;    // the model's training FLOPs per token, for MFU; 0 = no MFU
+  bool resume = true;            // resume from the newest committed checkpoint
+  std::chrono::milliseconds checkpoint_timeout{std::chrono::minutes(10)};
+
+  // The train.* configuration keys (train.steps, train.lr, ...), with their defaults and help.
+  static ConfigSchema schema();
+  // Reads them from a config built with schema(); bad values are ConfigError naming the key.
+  static TrainOptions from(const Config& config);
+};
+
+// One micro-batch's contribution: the mean loss over its samples (the trainer averages the
+// micro-batches), and how many tokens and samples it trained on (for throughput and MFU).
+struct MicroStep {
+  at::Tensor loss;
+  int64_t tokens = 0;
+  int64_t samples = 0;
+};
+
+// The model's forward pass and loss on a micro-batch. Runs on the training thread.
+using LossFn = std::function<MicroStep(const data::Batch& micro_batch)>;
+
+// What on_step_end sees.
+struct StepInfo {
+  int64_t step = 0;        // 0-based index of the step just finished
+  double loss = 0;         // the mean over every rank's micro-batches
+  double local_loss = 0;   // this rank's mean (bitwise reproducible on this rank)
+  double lr = 0;
+  double grad_norm = 0;    // before clipping
+  bool skipped = false;    // not applied: the gradient norm was not finite (NonFinite::kSkip)
+};
+
+struct Callbacks {
+  std::function<void(int64_t step)> on_eval;            // after step `step` (every rank calls it)
+  std::function<void(const StepInfo& info)> on_step_end;  // after every step
+};
+
+struct FitResult {
+  int64_t start_step = 0;        // where this run began (> 0 when it resumed)
+  int64_t steps_done = 0;        // steps completed in total (the next step's index)
+  int64_t skipped_steps = 0;     // in this run, NonFinite::kSkip
+  bool stopped_by_signal = false;  // SIGTERM/SIGINT: the step finished and a checkpoint was saved
+  double last_loss = 0;
+};
+
+// Not copyable. Every rank builds one with the same options and calls fit(). The Runtime,
+// DataParallel and Reader must outlive it; fit() uses rt.store() and rt.world_group().
+class Trainer {
+ public:
+  Trainer(Runtime& rt, parallel::DataParallel& dp, data::Reader& reader, TrainOptions options,
+          LossFn loss, Callbacks callbacks = {});
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Resumes if a checkpoint exists, trains up to options.steps, saves the final step, returns.
+  // Errors: the areas' own (Timeout from a stuck collective, CorruptData from a bad shard or
+  // checkpoint, IoError from a failed save), and loom::Error for a non-finite gradient under
+  // NonFinite::kStop.
+  FitResult fit();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace loom::train

@@ -1,0 +1,344 @@
+// The training loop: resume, step, checkpoint, stop.
+#include "loom/train/trainer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/module.h>
+
+#include <atomic>
+#include <cmath>
+#include <csignal>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "loom/ckpt/checkpointer.h"
+#include "loom/comm/group.h"
+#include "loom/data/reader.h"
+#include "loom/error.h"
+#include "loom/metrics/flops.h"
+#include "loom/metrics/logger.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/parallel/optim.h"
+#include "loom/runtime.h"
+
+namespace loom::train {
+namespace {
+
+using nlohmann::json;
+using metrics::Phase;
+
+std::atomic<int> g_stop_signal{0};
+void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+// Installs the stop handlers for fit()'s duration and restores the previous ones.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal.store(0);
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    ::sigaction(SIGTERM, &action, &old_term_);
+    ::sigaction(SIGINT, &action, &old_int_);
+  }
+  ~StopSignals() {
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+    ::sigaction(SIGINT, &old_int_, nullptr);
+  }
+
+ private:
+  struct sigaction old_term_ {};
+  struct sigaction old_int_ {};
+};
+
+// Micro-batch m of M: rows [m * B / M, (m + 1) * B / M) of every tensor and string list.
+data::Batch micro_batch(const data::Batch& batch, int64_t m, int64_t count) {
+  if (count == 1) return batch;
+  const int64_t rows = static_cast<int64_t>(batch.indices.size());
+  const int64_t begin = m * rows / count, end = (m + 1) * rows / count;
+  data::Batch out;
+  for (const auto& [name, t] : batch.tensors) out.tensors[name] = t.slice(0, begin, end);
+  for (const auto& [name, list] : batch.strings) out.strings[name] = {list.begin() + begin, list.begin() + end};
+  out.indices = {batch.indices.begin() + begin, batch.indices.begin() + end};
+  out.num_real = std::clamp<int64_t>(batch.num_real - begin, 0, end - begin);
+  out.epoch = batch.epoch;
+  return out;
+}
+
+}  // namespace
+
+ConfigSchema TrainOptions::schema() {
+  ConfigSchema s;
+  s.add("train.steps", int64_t{1000}, "optimizer steps of the whole run");
+  s.add("train.micro_batches", int64_t{1}, "gradient accumulation: micro-batches per step");
+  s.add("train.grad_clip", 1.0, "max global gradient norm; 0 = no clipping");
+  s.add("train.lr", 1e-3, "peak learning rate");
+  s.add("train.min_lr", 0.0, "learning rate at the end of the cosine decay");
+  s.add("train.warmup_steps", int64_t{0}, "linear warmup steps");
+  s.add("train.schedule", "constant", "constant or cosine (linear warmup + cosine decay)");
+  s.add("train.eval_every", int64_t{0}, "steps between evaluations; 0 = never");
+  s.add("train.checkpoint_every", int64_t{0}, "steps between async checkpoints; 0 = only at the end");
+  s.add("train.keep_last", 3, "committed checkpoints kept");
+  s.add("train.on_non_finite", "stop", "stop (error naming the parameter) or skip the step");
+  s.add("train.log_every", int64_t{10}, "steps between metrics log lines (without a terminal)");
+  s.add("train.resume", true, "resume from the newest committed checkpoint in <run.dir>/ckpt");
+  return s;
+}
+
+TrainOptions TrainOptions::from(const Config& c) {
+  TrainOptions o;
+  o.steps = c.get<int64_t>("train.steps");
+  o.micro_batches = c.get<int64_t>("train.micro_batches");
+  o.grad_clip = c.get<double>("train.grad_clip");
+  const auto schedule = c.get<std::string>("train.schedule");
+  LOOM_CHECK(schedule == "constant" || schedule == "cosine", ConfigError,
+             "train.schedule must be constant or cosine, got '", schedule, "'");
+  o.schedule = schedule == "constant"
+                   ? Schedule::constant(c.get<double>("train.lr"))
+                   : Schedule::warmup_cosine({.lr = c.get<double>("train.lr"),
+                                              .min_lr = c.get<double>("train.min_lr"),
+                                              .warmup_steps = c.get<int64_t>("train.warmup_steps"),
+                                              .total_steps = o.steps});
+  o.eval_every = c.get<int64_t>("train.eval_every");
+  o.checkpoint_every = c.get<int64_t>("train.checkpoint_every");
+  o.keep_last = c.get<int>("train.keep_last");
+  const auto non_finite = c.get<std::string>("train.on_non_finite");
+  LOOM_CHECK(non_finite == "stop" || non_finite == "skip", ConfigError,
+             "train.on_non_finite must be stop or skip, got '", non_finite, "'");
+  o.on_non_finite = non_finite == "stop" ? NonFinite::kStop : NonFinite::kSkip;
+  o.log_every = c.get<int64_t>("train.log_every");
+  o.resume = c.get<bool>("train.resume");
+  return o;
+}
+
+struct Trainer::Impl {
+  // Constant after construction.
+  Runtime& rt;
+  parallel::DataParallel& dp;
+  data::Reader& reader;
+  TrainOptions options;
+  LossFn loss_fn;
+  Callbacks callbacks;
+
+  // The training thread's.
+  std::unique_ptr<ckpt::Checkpointer> checkpointer;
+  std::unique_ptr<metrics::MetricsLogger> metrics;
+  ckpt::State save_state;    // views of the live state, reused by every save
+  at::Tensor rng_buffer;     // this rank's CPU generator state, copied at each save
+  ckpt::SaveHandle pending;  // the save in flight, if any
+  int64_t step = 0;          // the next step's index = steps completed
+  int64_t skipped = 0;
+  bool stop_agreed = false;  // some rank got SIGTERM/SIGINT before the last step's all-reduce
+
+  Impl(Runtime& r, parallel::DataParallel& d, data::Reader& rd, TrainOptions o, LossFn l, Callbacks c)
+      : rt(r), dp(d), reader(rd), options(std::move(o)), loss_fn(std::move(l)), callbacks(std::move(c)) {
+    LOOM_CHECK(options.steps >= 0, InvalidArgument, "train.steps must be >= 0, got ", options.steps);
+    LOOM_CHECK(options.micro_batches >= 1 && reader.options().batch_size % options.micro_batches == 0,
+               InvalidArgument, "train.micro_batches (", options.micro_batches,
+               ") must divide the per-rank batch size (", reader.options().batch_size, ")");
+    LOOM_CHECK(loss_fn != nullptr, InvalidArgument, "the Trainer needs a loss function");
+  }
+
+  bool main() const { return rt.rank() == 0; }
+
+  void open_checkpointer() {
+    checkpointer = std::make_unique<ckpt::Checkpointer>(
+        rt.store(), ckpt::CheckpointerOptions{.dir = rt.run_dir() / "ckpt",
+                                              .rank = rt.rank(),
+                                              .world_size = rt.world_size(),
+                                              .keep_last = options.keep_last,
+                                              .timeout = options.checkpoint_timeout});
+    dp.add_state(save_state);
+    rng_buffer = at::getDefaultCPUGenerator().get_state().clone();
+    save_state.add("rng/cpu", rng_buffer.view({1, -1}),
+                   ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
+  }
+
+  // Resumes from the newest committed checkpoint; returns whether there was one.
+  bool resume() {
+    const auto steps = checkpointer->list();
+    if (!options.resume || steps.empty()) return false;
+    const ckpt::CheckpointInfo& newest = steps.back();
+    ckpt::State state;
+    dp.add_state(state);
+    const bool same_world = newest.world_size == rt.world_size();
+    at::Tensor rng = at::empty_like(rng_buffer);
+    if (same_world) {
+      state.add("rng/cpu", rng.view({1, -1}),
+                ckpt::Sharding::rows({rt.world_size(), rng.numel()}, rt.rank(), rt.rank() + 1));
+    }
+    state.blobs = {{"trainer", ""}, {"reader", ""}};
+    const int64_t loaded = checkpointer->load(newest.step, state, {.strict = same_world});
+    dp.load_state(state);
+    const json trainer = json::parse(state.blobs.at("trainer"));
+    step = trainer.at("step").get<int64_t>();
+    reader.restore(data::SamplerState::from_json(state.blobs.at("reader")));
+    if (same_world) {
+      at::getDefaultCPUGenerator().set_state(rng);
+    } else {
+      rt.log().warn("resuming at world size {} from a checkpoint saved at {}: per-rank RNG streams restart "
+                    "from the seed",
+                    rt.world_size(), newest.world_size);
+    }
+    rt.log().info("resumed from checkpoint step {} ({}): continuing at step {}", loaded, newest.path.string(), step);
+    return true;
+  }
+
+  void save(bool sync) {
+    if (pending.valid()) pending.wait(options.checkpoint_timeout);
+    rng_buffer.copy_(at::getDefaultCPUGenerator().get_state());
+    save_state.blobs["trainer"] = json{{"step", step}, {"skipped_steps", skipped}}.dump();
+    save_state.blobs["reader"] = reader.state().to_json();
+    save_state.blobs["config"] = json(rt.config().to_toml()).dump();
+    if (sync) {
+      checkpointer->save_sync(step, save_state);
+      metrics->on_checkpoint_committed(step);
+      pending = {};
+    } else {
+      pending = checkpointer->save(step, save_state, {.defer_copy = options.overlap_checkpoint_copy});
+    }
+  }
+
+  // Reports a finished save; raises its error.
+  void poll_pending() {
+    if (!pending.valid() || !pending.done()) return;
+    pending.wait(std::chrono::milliseconds(0));
+    metrics->on_checkpoint_committed(pending.step());
+    pending = {};
+  }
+
+  std::string first_non_finite_parameter() const {
+    for (const auto& item : dp.module().named_parameters()) {
+      const at::Tensor& g = item.value().grad();
+      if (g.defined() && !at::isfinite(g).all().item<bool>()) return item.key();
+    }
+    return "(none on this rank)";
+  }
+
+  // One step; returns what on_step_end sees.
+  StepInfo run_step() {
+    metrics::StepTimer& timer = metrics->timer();
+    timer.begin_step();
+    StepInfo info;
+    info.step = step;
+    data::Batch batch;
+    {
+      auto phase = timer.phase(Phase::kDataWait);
+      batch = reader.next();
+    }
+    double loss_sum = 0;
+    int64_t tokens = 0, samples = 0;
+    dp.zero_grad();
+    {
+      auto phase = timer.phase(Phase::kForwardBackward);
+      for (int64_t m = 0; m < options.micro_batches; ++m) {
+        dp.set_sync(m + 1 == options.micro_batches);
+        MicroStep micro = loss_fn(micro_batch(batch, m, options.micro_batches));
+        (micro.loss / static_cast<double>(options.micro_batches)).backward();
+        loss_sum += micro.loss.item<double>();
+        tokens += micro.tokens;
+        samples += micro.samples;
+      }
+    }
+    {
+      auto phase = timer.phase(Phase::kCommWait);
+      dp.finish_gradient_sync();
+    }
+    info.local_loss = loss_sum / static_cast<double>(options.micro_batches);
+    {
+      auto phase = timer.phase(Phase::kOptimizer);
+      info.grad_norm = dp.clip_grad_norm(options.grad_clip > 0 ? options.grad_clip
+                                                                : std::numeric_limits<double>::infinity());
+      info.lr = options.schedule(step);
+    }
+    if (!std::isfinite(info.grad_norm)) {
+      LOOM_CHECK(options.on_non_finite == NonFinite::kSkip, Error, "step ", step, ": the gradient norm is ",
+                 info.grad_norm, "; first non-finite gradient on rank ", rt.rank(), ": ",
+                 first_non_finite_parameter(),
+                 ". Lower the learning rate, check the data, or set train.on_non_finite=skip");
+      info.skipped = true;
+      ++skipped;
+      rt.log().warn("step {}: gradient norm {}; step skipped ({} so far)", step, info.grad_norm, skipped);
+    }
+    if (pending.valid()) {
+      auto phase = timer.phase(Phase::kCheckpointStall);
+      checkpointer->before_optimizer_step();  // the deferred snapshot, before parameters change
+    }
+    if (!info.skipped) {
+      auto phase = timer.phase(Phase::kOptimizer);
+      dp.optimizer().set_lr(info.lr);
+      dp.step();
+    }
+    // One small all-reduce: the loss sum, and whether any rank was asked to stop (so that
+    // every rank stops after the same step).
+    at::Tensor sums = at::tensor({info.local_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0}, at::kDouble);
+    rt.world_group().all_reduce(sums)->wait();
+    info.loss = sums[0].item<double>() / rt.world_size();
+    stop_agreed = sums[1].item<double>() > 0;
+    metrics->log_step({.step = step,
+                       .epoch = static_cast<int64_t>(batch.epoch),
+                       .loss = info.loss,
+                       .lr = info.lr,
+                       .grad_norm = info.grad_norm,
+                       .tokens = tokens,
+                       .samples = samples});
+    rt.report_progress(step, 0.0);
+    return info;
+  }
+
+  FitResult fit() {
+    StopSignals signals;
+    metrics = std::make_unique<metrics::MetricsLogger>(
+        rt, metrics::MetricsOptions{.flops_per_token = options.flops_per_token,
+                                    .peak = options.flops_per_token > 0 ? metrics::peak_flops(rt.device())
+                                                                        : metrics::PeakFlops{},
+                                    .log_every = options.log_every});
+    open_checkpointer();
+    FitResult result;
+    resume();
+    result.start_step = step;
+    metrics->on_resume(step);
+    int64_t last_saved = result.start_step;
+    while (step < options.steps) {
+      const StepInfo info = run_step();
+      ++step;
+      result.last_loss = info.loss;
+      if (callbacks.on_step_end) callbacks.on_step_end(info);
+      poll_pending();
+      if (options.checkpoint_every > 0 && step % options.checkpoint_every == 0 && step < options.steps) {
+        save(false);
+        last_saved = step;
+      }
+      if (options.eval_every > 0 && step % options.eval_every == 0 && callbacks.on_eval) {
+        metrics->clear_progress_line();
+        callbacks.on_eval(step - 1);
+      }
+      if (stop_agreed) {
+        result.stopped_by_signal = true;
+        rt.log().info("stop requested (signal {}): saving step {} and stopping", g_stop_signal.load(), step);
+        break;
+      }
+    }
+    metrics->clear_progress_line();
+    if (step != last_saved || !checkpointer->latest() || *checkpointer->latest() != step) save(true);
+    if (pending.valid()) {
+      pending.wait(options.checkpoint_timeout);
+      metrics->on_checkpoint_committed(pending.step());
+      pending = {};
+    }
+    result.steps_done = step;
+    result.skipped_steps = skipped;
+    return result;
+  }
+
+};
+
+Trainer::Trainer(Runtime& rt, parallel::DataParallel& dp, data::Reader& reader, TrainOptions options, LossFn loss,
+                 Callbacks callbacks)
+    : impl_(std::make_unique<Impl>(rt, dp, reader, std::move(options), std::move(loss), std::move(callbacks))) {}
+
+Trainer::~Trainer() = default;
+
+FitResult Trainer::fit() { return impl_->fit(); }
+
+}  // namespace loom::train
