@@ -19,4 +19,7 @@ using Action = std::function<int()>;
 // `loom flight ...`: read the collectives' flight-recorder dumps (flight.cpp).
 void register_flight(CLI::App& app, Action& action);
 
+// `loom ckpt ls|verify|show`: list, verify and inspect checkpoints (ckpt.cpp).
+void register_ckpt(CLI::App& app, Action& action);
+
 }  // namespace loom::cli

@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
 
   loom::cli::Action action;
   loom::cli::register_flight(app, action);
+  loom::cli::register_ckpt(app, action);
 
   try {
     app.parse(argc, argv);
