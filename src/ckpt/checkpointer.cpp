@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -90,11 +91,19 @@ struct SaveHandle::Job {
     if (copied) return;
     try {
       at::NoGradGuard no_grad;
+      uint64_t end_of_previous = 0;
       for (size_t i = 0; i < plan.pieces.size(); ++i) {
         const PlannedPiece& p = plan.pieces[i];
+        // Alignment padding is zeroed, so files hold nothing but the state.
+        std::memset(staging + end_of_previous, 0, p.offset - end_of_previous);
+        end_of_previous = p.offset + p.bytes;
         const at::Tensor& src = pending[i];
-        at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU))
-            .copy_(src);
+        if (src.device().is_cpu() && src.is_contiguous()) {
+          std::memcpy(staging + p.offset, src.data_ptr(), p.bytes);  // ~2x copy_'s speed here
+        } else {  // strided or on a device: torch copies (and moves to the CPU)
+          at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU))
+              .copy_(src);
+        }
       }
     } catch (...) {
       copy_error = std::current_exception();
@@ -267,36 +276,49 @@ void Checkpointer::Impl::run_job(Job& job) {
 void Checkpointer::Impl::write_file(Job& job) {
   const auto dir = step_dir(job.step);
   storage->create_dirs(dir);
-  // Hash every piece (whole, and per chunk for partial reads at load). The report's pieces
-  // are in plan order: one record per entry, at most one piece each.
-  std::vector<Piece*> pieces;
+  const auto start = Clock::now();
+  const auto name = data_file_name(options.rank);
+  const auto temp = dir / ("." + name + ".tmp");
+  auto file = storage->create(temp);
+  // One pass over the staging buffer in file order: hash a chunk (per chunk, and into its
+  // piece's hash), and once write_bytes are hashed, write them and start their writeback, so
+  // the disk works while the next chunks are hashed and the final fsync has little left.
+  uint64_t written = 0;
+  auto write_up_to = [&](uint64_t end, bool last) {
+    while (end - written >= options.write_bytes || (last && written < end)) {
+      const uint64_t n = std::min<uint64_t>(options.write_bytes, end - written);
+      write_all(*file, job.staging + written, n);
+      file->start_writeback(written, n);
+      written += n;
+    }
+  };
+  std::vector<Piece*> pieces;  // the report's pieces are in plan (= file) order
   for (auto& t : job.report.tensors)
     for (auto& piece : t.pieces) pieces.push_back(&piece);
   for (size_t i = 0; i < job.plan.pieces.size(); ++i) {
     const PlannedPiece& p = job.plan.pieces[i];
     Piece& piece = *pieces[i];
     const char* bytes = job.staging + p.offset;
-    util::Hasher64 whole;
     piece.chunk_hashes.clear();
     for (uint64_t cs = 0; cs < p.bytes; cs += piece.chunk_bytes) {
       const uint64_t n = std::min<uint64_t>(piece.chunk_bytes, p.bytes - cs);
       piece.chunk_hashes.push_back(util::xxh64(bytes + cs, n));
-      whole.update(bytes + cs, n);
+      write_up_to(p.offset + cs + n, false);
     }
-    piece.hash = whole.digest();
+    piece.hash = piece_hash(piece.chunk_hashes);
   }
-  const auto name = data_file_name(options.rank);
-  const auto temp = dir / ("." + name + ".tmp");
-  {
-    auto file = storage->create(temp);
-    for (uint64_t done = 0; done < job.plan.file_bytes; done += options.write_bytes) {
-      write_all(*file, job.staging + done,
-                std::min<uint64_t>(options.write_bytes, job.plan.file_bytes - done));
-    }
-    file->sync();
-  }
+  write_up_to(job.plan.file_bytes, true);
+  const auto written_at = Clock::now();
+  file->sync();
+  file.reset();
   storage->rename(temp, dir / name);
   storage->sync_dir(dir);
+  auto seconds = [](Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
+  log->debug("checkpoint step {}: {} bytes hashed and written in {:.3f} s, synced in {:.3f} s",
+             job.step, job.plan.file_bytes, seconds(start, written_at),
+             seconds(written_at, Clock::now()));
 }
 
 bool Checkpointer::Impl::commit(Job& job) {
@@ -326,13 +348,13 @@ bool Checkpointer::Impl::commit(Job& job) {
     store.set(key(job.step, "commit"), detail::concat("error\nrank 0 could not commit: ", e.what()));
     throw;
   }
+  store.set(key(job.step, "commit"), "ok");
   try {
     apply_retention(job.step);
   } catch (const std::exception& e) {
     log->warn("checkpoint retention after step {} failed (the step is committed): {}", job.step,
               e.what());
   }
-  store.set(key(job.step, "commit"), "ok");
   return false;
 }
 
@@ -367,8 +389,11 @@ void Checkpointer::Impl::apply_retention(int64_t step) {
     storage->sync_dir(dir);
     storage->remove_all(dir);
   }
-  // Partial saves: no other save is in flight now (every rank waits for this commit).
-  for (const auto& dir : uncommitted_dirs(options.dir)) storage->remove_all(dir);
+  // Partial saves of earlier steps. Later steps are left alone: once commit is set the other
+  // ranks may already be writing the next step (steps only grow within a run).
+  for (const auto& dir : uncommitted_dirs(options.dir))
+    if (parse_step_dir_name(dir.filename().string()).value_or(step) < step)
+      storage->remove_all(dir);
   storage->sync_dir(options.dir);
 }
 

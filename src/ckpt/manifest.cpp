@@ -104,6 +104,14 @@ c10::ScalarType parse_dtype(const std::string& name) {
   throw CorruptData(detail::concat("unknown dtype \"", name, "\" in a checkpoint manifest"));
 }
 
+uint64_t piece_hash(const std::vector<uint64_t>& chunk_hashes) {
+  std::string words;
+  words.reserve(chunk_hashes.size() * 8);
+  for (uint64_t h : chunk_hashes)
+    for (int byte = 0; byte < 8; ++byte) words.push_back(static_cast<char>(h >> (8 * byte)));
+  return util::xxh64(words);
+}
+
 int64_t TensorRecord::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

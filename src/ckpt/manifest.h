@@ -6,8 +6,10 @@
 //
 // Every piece is an element range [begin, end) of the flattened global tensor (a kRows piece
 // is stored as the elements of its rows; a replicated tensor is one piece covering it all),
-// so any saved sharding can be read back as any other. Each piece carries an xxHash64 of its
-// bytes and, for partial reads, an xxHash64 per chunk of chunk_bytes (the last may be short).
+// so any saved sharding can be read back as any other. Each piece's bytes are hashed in chunks
+// of chunk_bytes (the last may be short), an xxHash64 per chunk, so that a partial read can
+// verify what it reads; the piece's own xxHash64 is that of its chunk hashes (piece_hash),
+// which costs no second pass over the bytes and still pins every byte of the piece.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -40,10 +42,13 @@ struct Piece {
   int64_t end = 0;            // one past the last
   uint64_t offset = 0;        // byte offset in the file
   uint64_t bytes = 0;         // (end - begin) * element size
-  uint64_t hash = 0;          // xxHash64 of the bytes
+  uint64_t hash = 0;          // piece_hash(chunk_hashes)
   uint64_t chunk_bytes = 0;   // size of the hashed chunks (a multiple of the element size)
   std::vector<uint64_t> chunk_hashes;  // xxHash64 of each chunk, in order
 };
+
+// xxHash64 of the chunk hashes as 8-byte little-endian words, in order.
+uint64_t piece_hash(const std::vector<uint64_t>& chunk_hashes);
 
 struct TensorRecord {
   std::string name;

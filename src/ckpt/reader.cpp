@@ -90,18 +90,15 @@ uint64_t StepReader::verify_all() {
   std::vector<char> buffer;
   for (const TensorRecord& t : manifest_.tensors) {
     for (const Piece& p : t.pieces) {
-      util::Hasher64 hasher;  // chunk by chunk: memory stays one chunk whatever the piece
-      buffer.resize(std::min(p.bytes, p.chunk_bytes));
-      for (uint64_t cs = 0; cs < p.bytes; cs += p.chunk_bytes) {
-        const uint64_t ce = std::min(p.bytes, cs + p.chunk_bytes);
-        read_piece(t, p, cs, ce, buffer.data(), /*verify=*/true);
-        hasher.update(buffer.data(), ce - cs);
-      }
-      const uint64_t hash = hasher.digest();
+      // The manifest's own consistency first, then every chunk, one at a time.
+      const uint64_t hash = piece_hash(p.chunk_hashes);
       LOOM_CHECK(hash == p.hash, CorruptData, "checkpoint step ", manifest_.step, ": tensor \"",
-                 t.name, "\" is corrupt in file ", (step_dir_ / p.file).string(),
-                 ": its piece hashes to ", util::hash_hex(hash), ", the manifest says ",
-                 util::hash_hex(p.hash));
+                 t.name, "\" of file ", (step_dir_ / p.file).string(),
+                 ": the manifest's chunk hashes hash to ", util::hash_hex(hash),
+                 ", its piece hash is ", util::hash_hex(p.hash), " (the manifest is corrupt)");
+      buffer.resize(std::min(p.bytes, p.chunk_bytes));
+      for (uint64_t cs = 0; cs < p.bytes; cs += p.chunk_bytes)
+        read_piece(t, p, cs, std::min(p.bytes, cs + p.chunk_bytes), buffer.data(), true);
       checked += p.bytes;
     }
   }

@@ -32,6 +32,11 @@ class PosixWritableFile final : public WritableFile {
 
   void sync() override { LOOM_CHECK_SYS(::fsync(fd_.get()), "syncing ", path_); }
 
+  void start_writeback(uint64_t offset, uint64_t size) override {
+    (void)::sync_file_range(fd_.get(), static_cast<off64_t>(offset), static_cast<off64_t>(size),
+                            SYNC_FILE_RANGE_WRITE);
+  }
+
  private:
   std::filesystem::path path_;
   util::UniqueFd fd_;

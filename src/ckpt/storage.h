@@ -23,6 +23,10 @@ class WritableFile {
   // not an error: callers loop (write_all).
   virtual size_t write(const void* data, size_t size) = 0;
   virtual void sync() = 0;
+  // Starts writing [offset, offset + size) back to the device without waiting (Linux
+  // sync_file_range), so the disk works while the writer hashes the next bytes. A hint:
+  // failures surface at sync().
+  virtual void start_writeback(uint64_t offset, uint64_t size) = 0;
 };
 
 // A file read at offsets.

@@ -73,6 +73,9 @@ class FaultyStorage final : public Storage {
         detail::throw_system_error(EIO, "fsync", path_.string(), __FILE__, __LINE__);
       base_->sync();
     }
+    void start_writeback(uint64_t offset, uint64_t size) override {
+      base_->start_writeback(offset, size);
+    }
 
    private:
     FaultyStorage& owner_;
