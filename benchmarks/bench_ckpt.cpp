@@ -35,7 +35,7 @@ using Clock = std::chrono::steady_clock;
 struct Settings {
   std::string size = "1G";  // bytes of state, with an optional K/M/G suffix
   int tensors = 16;
-  int rounds = 3;  // each case measured this many times; the best counts
+  int rounds = 3;   // each case measured this many times; the best counts
   std::string dir;  // default: $TMPDIR/loom-bench-ckpt-<pid>
   bool json = false;
   bool verbose = false;  // the checkpointer's debug log: time per phase of each save
@@ -79,8 +79,8 @@ constexpr size_t kIoBytes = size_t{8} << 20;
 // Writes the tensors' bytes back to back into one file in 8 MiB writes, then fsyncs.
 double raw_write(const std::vector<torch::Tensor>& tensors, const std::filesystem::path& path) {
   auto start = Clock::now();
-  loom::util::UniqueFd fd(LOOM_CHECK_SYS(
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), "creating ", path));
+  loom::util::UniqueFd fd(
+      LOOM_CHECK_SYS(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), "creating ", path));
   for (const auto& t : tensors) {
     const char* data = static_cast<const char*>(t.data_ptr());
     size_t size = t.nbytes();
@@ -100,10 +100,10 @@ double raw_read(const std::filesystem::path& path, std::vector<char>& buffer) {
   loom::util::UniqueFd fd(LOOM_CHECK_SYS(::open(path.c_str(), O_RDONLY), "opening ", path));
   size_t done = 0;
   while (done < buffer.size()) {
-    ssize_t n = LOOM_CHECK_SYS(
-        ::pread(fd.get(), buffer.data() + done, std::min(buffer.size() - done, kIoBytes),
-                static_cast<off_t>(done)),
-        "reading ", path);
+    ssize_t n =
+        LOOM_CHECK_SYS(::pread(fd.get(), buffer.data() + done,
+                               std::min(buffer.size() - done, kIoBytes), static_cast<off_t>(done)),
+                       "reading ", path);
     if (n == 0) break;
     done += static_cast<size_t>(n);
   }
@@ -123,10 +123,10 @@ int run(const Settings& s) {
   const int64_t bytes = parse_size(s.size);
   LOOM_CHECK(bytes >= 4 * s.tensors && s.tensors > 0, loom::InvalidArgument,
              "--size must hold at least one float per tensor");
-  const std::filesystem::path dir =
-      s.dir.empty() ? std::filesystem::temp_directory_path() /
-                          loom::detail::concat("loom-bench-ckpt-", ::getpid())
-                    : std::filesystem::path(s.dir);
+  const std::filesystem::path dir = s.dir.empty()
+                                        ? std::filesystem::temp_directory_path() /
+                                              loom::detail::concat("loom-bench-ckpt-", ::getpid())
+                                        : std::filesystem::path(s.dir);
   std::filesystem::create_directories(dir);
   torch::manual_seed(1);
 
@@ -200,14 +200,18 @@ int run(const Settings& s) {
                 size_text.c_str(), s.tensors, dir.c_str(), s.rounds);
     std::printf("first save (allocates staging): stall %.3f s; later saves reuse it\n",
                 first_stall_s);
-    std::printf("%-14s %10s %9s | %10s %9s  %-40s | %7s %7s\n", "case", "loom", "GB/s",
-                "baseline", "GB/s", "baseline is", "ratio", "target");
+    std::printf("%-14s %10s %9s | %10s %9s  %-40s | %7s %7s\n", "case", "loom", "GB/s", "baseline",
+                "GB/s", "baseline is", "ratio", "target");
   }
   for (const Result& r : results) {
-    loom::bench::Row row{"ckpt",        loom::detail::concat(r.name, "/", size_text),
-                         r.loom,        r.baseline,
-                         r.baseline_name, r.unit,
-                         r.baseline / r.loom, {{"bytes", total}}};
+    loom::bench::Row row{"ckpt",
+                         loom::detail::concat(r.name, "/", size_text),
+                         r.loom,
+                         r.baseline,
+                         r.baseline_name,
+                         r.unit,
+                         r.baseline / r.loom,
+                         {{"bytes", total}}};
     if (r.bytes > 0) {
       row.extra["loom_gbps"] = r.bytes / r.loom / 1e9;
       row.extra["baseline_gbps"] = r.bytes / r.baseline / 1e9;
@@ -217,8 +221,7 @@ int run(const Settings& s) {
       continue;
     }
     char loom_rate[16], base_rate[16];
-    std::snprintf(loom_rate, sizeof(loom_rate), r.bytes > 0 ? "%.3f" : "-",
-                  r.bytes / r.loom / 1e9);
+    std::snprintf(loom_rate, sizeof(loom_rate), r.bytes > 0 ? "%.3f" : "-", r.bytes / r.loom / 1e9);
     std::snprintf(base_rate, sizeof(base_rate), r.bytes > 0 ? "%.3f" : "-",
                   r.bytes / r.baseline / 1e9);
     std::printf("%-14s %9.3fs %9s | %9.3fs %9s  %-40s | %7.2f %7s\n", r.name, r.loom, loom_rate,

@@ -101,8 +101,7 @@ struct SaveHandle::Job {
         if (src.device().is_cpu() && src.is_contiguous()) {
           std::memcpy(staging + p.offset, src.data_ptr(), p.bytes);  // ~2x copy_'s speed here
         } else {  // strided or on a device: torch copies (and moves to the CPU)
-          at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU))
-              .copy_(src);
+          at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU)).copy_(src);
         }
       }
     } catch (...) {
@@ -190,9 +189,7 @@ struct Checkpointer::Impl {
   std::string key(int64_t step, const std::string& name) const {
     return detail::concat(options.store_prefix, "/", step, "/", name);
   }
-  std::filesystem::path step_dir(int64_t step) const {
-    return options.dir / step_dir_name(step);
-  }
+  std::filesystem::path step_dir(int64_t step) const { return options.dir / step_dir_name(step); }
 
   void writer_loop();
   void run_job(Job& job);
@@ -256,8 +253,8 @@ void Checkpointer::Impl::run_job(Job& job) {
         if (status == "skipped") {
           skipped = true;
         } else if (status != "ok") {
-          throw IoError(detail::concat("checkpoint step ", job.step,
-                                       " was not committed: ", detail_text));
+          throw IoError(
+              detail::concat("checkpoint step ", job.step, " was not committed: ", detail_text));
         }
       }
     } catch (...) {
@@ -345,7 +342,8 @@ bool Checkpointer::Impl::commit(Job& job) {
     Manifest manifest = merge_reports(job.step, reports);
     write_manifest(job.step, manifest);
   } catch (const std::exception& e) {
-    store.set(key(job.step, "commit"), detail::concat("error\nrank 0 could not commit: ", e.what()));
+    store.set(key(job.step, "commit"),
+              detail::concat("error\nrank 0 could not commit: ", e.what()));
     throw;
   }
   store.set(key(job.step, "commit"), "ok");
@@ -463,8 +461,9 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
                   m.current->step);
       const std::string why = detail::concat("skipped\nthe save of step ", m.current->step,
                                              " was still in flight on rank ", m.options.rank);
-      m.store.set(m.key(step, m.options.rank == 0 ? "commit" : detail::concat("rank_", m.options.rank)),
-                  why);
+      m.store.set(
+          m.key(step, m.options.rank == 0 ? "commit" : detail::concat("rank_", m.options.rank)),
+          why);
       m.finish_keys(step);
       job->copied = true;
       job->finish(true, nullptr);
@@ -477,8 +476,8 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
     m.current.reset();
   }
   if (plan.file_bytes > m.staging_capacity) {
-    const size_t capacity = (plan.file_bytes + kStagingAlignment - 1) / kStagingAlignment *
-                            kStagingAlignment;
+    const size_t capacity =
+        (plan.file_bytes + kStagingAlignment - 1) / kStagingAlignment * kStagingAlignment;
     m.staging.reset();
     m.staging.reset(static_cast<char*>(std::aligned_alloc(kStagingAlignment, capacity)));
     LOOM_CHECK(m.staging != nullptr, IoError, "checkpoint step ", step, ": cannot allocate ",
@@ -498,14 +497,23 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
     const TensorEntry& e = state.tensors[i];
     if (e.sharding.kind == Sharding::Kind::kReplicated && m.options.rank != 0) continue;
     Region region = region_of(e);
-    TensorRecord record{e.name, dtype_name(e.tensor.scalar_type()), region.global_shape,
-                        kind_name(e.sharding.kind), {}};
+    TensorRecord record{e.name,
+                        dtype_name(e.tensor.scalar_type()),
+                        region.global_shape,
+                        kind_name(e.sharding.kind),
+                        {}};
     if (next_piece < plan.pieces.size() && plan.pieces[next_piece].entry == i) {
       const PlannedPiece& p = plan.pieces[next_piece++];
       const uint64_t es = e.tensor.element_size();
       const uint64_t chunk = std::max<uint64_t>(es, m.options.hash_chunk_bytes / es * es);
-      record.pieces.push_back({data_file_name(m.options.rank), p.region.begin, p.region.end,
-                               p.offset, p.bytes, 0, chunk, {}});
+      record.pieces.push_back({data_file_name(m.options.rank),
+                               p.region.begin,
+                               p.region.end,
+                               p.offset,
+                               p.bytes,
+                               0,
+                               chunk,
+                               {}});
       job->pending.push_back(e.tensor);
     }
     report.tensors.push_back(std::move(record));
@@ -574,13 +582,12 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
     }
     const std::string dtype = dtype_name(e.tensor.scalar_type());
     if (record->dtype != dtype)
-      differences.push_back(detail::concat("tensor \"", e.name, "\": dtype ", dtype,
-                                           " asked for, ", record->dtype, " saved"));
+      differences.push_back(detail::concat("tensor \"", e.name, "\": dtype ", dtype, " asked for, ",
+                                           record->dtype, " saved"));
     if (record->shape != region.global_shape) {
       differences.push_back(detail::concat("tensor \"", e.name, "\": global shape ",
-                                           c10::IntArrayRef(region.global_shape),
-                                           " asked for, ", c10::IntArrayRef(record->shape),
-                                           " saved"));
+                                           c10::IntArrayRef(region.global_shape), " asked for, ",
+                                           c10::IntArrayRef(record->shape), " saved"));
     }
     plan.emplace_back(record, std::move(region));
   }

@@ -64,12 +64,12 @@ Region region_of(const TensorEntry& e) {
     }
     case Sharding::Kind::kFlat: {
       const auto& g = s.global_shape;
-      LOOM_CHECK(0 <= s.begin && s.begin <= s.end && s.end <= product(g) &&
-                     t.numel() == s.end - s.begin,
-                 InvalidArgument, "checkpoint tensor \"", e.name, "\": a flat piece [", s.begin,
-                 ", ", s.end, ") of global shape ", dims_text(g), " (", product(g),
-                 " elements) cannot be a tensor of ", t.numel(),
-                 " elements; it needs end - begin elements and 0 <= begin <= end <= numel");
+      LOOM_CHECK(
+          0 <= s.begin && s.begin <= s.end && s.end <= product(g) && t.numel() == s.end - s.begin,
+          InvalidArgument, "checkpoint tensor \"", e.name, "\": a flat piece [", s.begin, ", ",
+          s.end, ") of global shape ", dims_text(g), " (", product(g),
+          " elements) cannot be a tensor of ", t.numel(),
+          " elements; it needs end - begin elements and 0 <= begin <= end <= numel");
       return {g, s.begin, s.end};
     }
   }
@@ -91,7 +91,8 @@ FilePlan plan_file(const State& state, int rank) {
     dtype_name(e.tensor.scalar_type());  // InvalidArgument for dtypes checkpoints cannot hold
     const bool writes = e.sharding.kind != Sharding::Kind::kReplicated || rank == 0;
     if (!writes || region.begin == region.end) continue;
-    const uint64_t bytes = static_cast<uint64_t>(region.end - region.begin) * e.tensor.element_size();
+    const uint64_t bytes =
+        static_cast<uint64_t>(region.end - region.begin) * e.tensor.element_size();
     const uint64_t offset = align_up(plan.file_bytes, bytes >= (64u << 10) ? 4096 : 64);
     plan.pieces.push_back({i, std::move(region), offset, bytes});
     plan.file_bytes = offset + bytes;

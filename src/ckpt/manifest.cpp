@@ -20,11 +20,16 @@ struct DtypeName {
 };
 
 constexpr DtypeName kDtypes[] = {
-    {c10::ScalarType::Float, "float32"},   {c10::ScalarType::Double, "float64"},
-    {c10::ScalarType::Half, "float16"},    {c10::ScalarType::BFloat16, "bfloat16"},
-    {c10::ScalarType::Long, "int64"},      {c10::ScalarType::Int, "int32"},
-    {c10::ScalarType::Short, "int16"},     {c10::ScalarType::Char, "int8"},
-    {c10::ScalarType::Byte, "uint8"},      {c10::ScalarType::Bool, "bool"},
+    {c10::ScalarType::Float, "float32"},
+    {c10::ScalarType::Double, "float64"},
+    {c10::ScalarType::Half, "float16"},
+    {c10::ScalarType::BFloat16, "bfloat16"},
+    {c10::ScalarType::Long, "int64"},
+    {c10::ScalarType::Int, "int32"},
+    {c10::ScalarType::Short, "int16"},
+    {c10::ScalarType::Char, "int8"},
+    {c10::ScalarType::Byte, "uint8"},
+    {c10::ScalarType::Bool, "bool"},
     {c10::ScalarType::ComplexFloat, "complex64"},
     {c10::ScalarType::ComplexDouble, "complex128"},
 };
@@ -53,8 +58,7 @@ Piece piece_from_json(const json& j, const std::string& what) {
   p.chunk_bytes = j.at("chunk_bytes").get<uint64_t>();
   for (const auto& h : j.at("chunk_xxh64"))
     p.chunk_hashes.push_back(util::parse_hash_hex(h.get<std::string>(), what));
-  uint64_t expected_chunks =
-      p.chunk_bytes == 0 ? 0 : (p.bytes + p.chunk_bytes - 1) / p.chunk_bytes;
+  uint64_t expected_chunks = p.chunk_bytes == 0 ? 0 : (p.bytes + p.chunk_bytes - 1) / p.chunk_bytes;
   LOOM_CHECK(p.begin >= 0 && p.begin <= p.end && p.chunk_bytes > 0 &&
                  p.chunk_hashes.size() == expected_chunks,
              CorruptData, what, ": a piece of file ", p.file, " has inconsistent ranges or hashes");
@@ -132,7 +136,8 @@ uint64_t Manifest::data_bytes() const {
 
 std::string to_json(const Manifest& m) {
   json files = json::array();
-  for (const auto& f : m.files) files.push_back({{"name", f.name}, {"rank", f.rank}, {"bytes", f.bytes}});
+  for (const auto& f : m.files)
+    files.push_back({{"name", f.name}, {"rank", f.rank}, {"bytes", f.bytes}});
   json tensors = json::array();
   for (const auto& t : m.tensors) {
     json pieces = json::array();
@@ -145,9 +150,12 @@ std::string to_json(const Manifest& m) {
   }
   json blobs = json::object();
   for (const auto& [name, text] : m.blobs) blobs[name] = json::parse(text);
-  json out = {{"format", "loom-checkpoint"}, {"version", kManifestVersion},
-              {"step", m.step},              {"world_size", m.world_size},
-              {"files", files},              {"tensors", tensors},
+  json out = {{"format", "loom-checkpoint"},
+              {"version", kManifestVersion},
+              {"step", m.step},
+              {"world_size", m.world_size},
+              {"files", files},
+              {"tensors", tensors},
               {"blobs", blobs}};
   return out.dump(1);
 }
@@ -163,8 +171,8 @@ Manifest parse_manifest(const std::string& text, const std::string& what) {
     m.step = j.at("step").get<int64_t>();
     m.world_size = j.at("world_size").get<int>();
     for (const auto& f : j.at("files"))
-      m.files.push_back(
-          {f.at("name").get<std::string>(), f.at("rank").get<int>(), f.at("bytes").get<uint64_t>()});
+      m.files.push_back({f.at("name").get<std::string>(), f.at("rank").get<int>(),
+                         f.at("bytes").get<uint64_t>()});
     for (const auto& t : j.at("tensors")) {
       TensorRecord r;
       r.name = t.at("name").get<std::string>();
@@ -191,7 +199,7 @@ Manifest merge_reports(int64_t step, const std::vector<Manifest>& reports) {
   Manifest m;
   m.step = step;
   m.world_size = static_cast<int>(reports.size());
-  std::map<std::string, size_t> index;     // name -> position in m.tensors
+  std::map<std::string, size_t> index;    // name -> position in m.tensors
   std::map<std::string, int> first_rank;  // name -> the rank that described it first
   for (size_t r = 0; r < reports.size(); ++r) {
     const Manifest& report = reports[r];
@@ -208,8 +216,8 @@ Manifest merge_reports(int64_t step, const std::vector<Manifest>& reports) {
       LOOM_CHECK(merged.dtype == t.dtype && merged.shape == t.shape && merged.kind == t.kind,
                  InvalidArgument, "step ", step, ": tensor \"", t.name, "\" is ", t.dtype, " ",
                  shape_text(t.shape), " (", t.kind, ") on rank ", r, " but ", merged.dtype, " ",
-                 shape_text(merged.shape), " (", merged.kind, ") on rank ",
-                 first_rank[t.name], "; every rank must describe the same global tensor");
+                 shape_text(merged.shape), " (", merged.kind, ") on rank ", first_rank[t.name],
+                 "; every rank must describe the same global tensor");
       merged.pieces.insert(merged.pieces.end(), t.pieces.begin(), t.pieces.end());
     }
   }
@@ -223,8 +231,8 @@ Manifest merge_reports(int64_t step, const std::vector<Manifest>& reports) {
                  "\"; the ranks' shardings must cover the whole tensor");
       covered = std::max(covered, p.end);
     }
-    LOOM_CHECK(covered >= t.numel(), InvalidArgument, "step ", step,
-               ": no rank holds elements [", covered, ", ", t.numel(), ") of tensor \"", t.name,
+    LOOM_CHECK(covered >= t.numel(), InvalidArgument, "step ", step, ": no rank holds elements [",
+               covered, ", ", t.numel(), ") of tensor \"", t.name,
                "\"; the ranks' shardings must cover the whole tensor");
   }
   return m;

@@ -37,13 +37,13 @@ std::string dtype_name(c10::ScalarType type);
 c10::ScalarType parse_dtype(const std::string& name);
 
 struct Piece {
-  std::string file;           // data file name inside the step directory
-  int64_t begin = 0;          // first element of the flattened global tensor
-  int64_t end = 0;            // one past the last
-  uint64_t offset = 0;        // byte offset in the file
-  uint64_t bytes = 0;         // (end - begin) * element size
-  uint64_t hash = 0;          // piece_hash(chunk_hashes)
-  uint64_t chunk_bytes = 0;   // size of the hashed chunks (a multiple of the element size)
+  std::string file;                    // data file name inside the step directory
+  int64_t begin = 0;                   // first element of the flattened global tensor
+  int64_t end = 0;                     // one past the last
+  uint64_t offset = 0;                 // byte offset in the file
+  uint64_t bytes = 0;                  // (end - begin) * element size
+  uint64_t hash = 0;                   // piece_hash(chunk_hashes)
+  uint64_t chunk_bytes = 0;            // size of the hashed chunks (a multiple of the element size)
   std::vector<uint64_t> chunk_hashes;  // xxHash64 of each chunk, in order
 };
 

@@ -11,7 +11,9 @@ namespace loom::ckpt {
 
 StepReader::StepReader(std::shared_ptr<Storage> storage, std::filesystem::path step_dir,
                        Manifest manifest)
-    : storage_(std::move(storage)), step_dir_(std::move(step_dir)), manifest_(std::move(manifest)) {}
+    : storage_(std::move(storage)),
+      step_dir_(std::move(step_dir)),
+      manifest_(std::move(manifest)) {}
 
 ReadableFile& StepReader::file(const std::string& name) {
   auto it = files_.find(name);
@@ -22,15 +24,15 @@ ReadableFile& StepReader::file(const std::string& name) {
   return *it->second;
 }
 
-void StepReader::read_piece(const TensorRecord& tensor, const Piece& p, uint64_t from,
-                            uint64_t to, char* dest, bool verify) {
+void StepReader::read_piece(const TensorRecord& tensor, const Piece& p, uint64_t from, uint64_t to,
+                            char* dest, bool verify) {
   if (from >= to) return;
   ReadableFile& f = file(p.file);
   const auto path = step_dir_ / p.file;
   const uint64_t size = file_sizes_[p.file];
   LOOM_CHECK(p.offset + p.bytes <= size, CorruptData, "checkpoint step ", manifest_.step,
-             ": tensor \"", tensor.name, "\": file ", path.string(), " is truncated (",
-             size, " bytes; the tensor's piece ends at byte ", p.offset + p.bytes,
+             ": tensor \"", tensor.name, "\": file ", path.string(), " is truncated (", size,
+             " bytes; the tensor's piece ends at byte ", p.offset + p.bytes,
              "). Load an earlier step (load_latest_valid) or restore the file.");
   auto truncated = [&] {
     return CorruptData(detail::concat("checkpoint step ", manifest_.step, ": tensor \"",

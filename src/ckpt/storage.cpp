@@ -89,8 +89,7 @@ class PosixStorage final : public Storage {
   void create_dirs(const std::filesystem::path& dir) override {
     std::error_code error;
     std::filesystem::create_directories(dir, error);
-    if (error)
-      throw IoError(detail::concat("creating directory ", dir, ": ", error.message()));
+    if (error) throw IoError(detail::concat("creating directory ", dir, ": ", error.message()));
   }
   void remove(const std::filesystem::path& path) override {
     std::error_code error;

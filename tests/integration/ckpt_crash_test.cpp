@@ -28,8 +28,12 @@ std::vector<util::Subprocess> start_writers(const std::filesystem::path& ckpt_di
   std::vector<util::Subprocess> writers;
   for (int rank = 0; rank < 2; ++rank) {
     util::SubprocessOptions options;
-    options.argv = {LOOM_BINARY_DIR "/tests/loom_ckpt_writer", ckpt_dir.string(),
-                    store_dir.string(), std::to_string(rank), "2", std::to_string(saves)};
+    options.argv = {LOOM_BINARY_DIR "/tests/loom_ckpt_writer",
+                    ckpt_dir.string(),
+                    store_dir.string(),
+                    std::to_string(rank),
+                    "2",
+                    std::to_string(saves)};
     options.output = log_dir / ("writer_" + std::to_string(rank) + ".log");
     writers.push_back(util::Subprocess::spawn(options));
   }
@@ -46,8 +50,7 @@ int64_t check_newest(const std::filesystem::path& ckpt_dir) {
   EXPECT_TRUE(std::filesystem::exists(ckpt_dir / ckpt::step_dir_name(*latest) / "manifest.json"));
   reader.verify(*latest);
   ckpt::State state;
-  state.add("rows", torch::zeros({kRows, kCols}),
-            ckpt::Sharding::rows({kRows, kCols}, 0, kRows));
+  state.add("rows", torch::zeros({kRows, kCols}), ckpt::Sharding::rows({kRows, kCols}, 0, kRows));
   state.add("scalar", torch::zeros({1}, torch::kInt64));
   state.blobs["trainer"] = "";
   EXPECT_EQ(reader.load(state), *latest);
@@ -72,8 +75,8 @@ TEST(CkptCrash, SigkillAtRandomPointsNeverLeavesABadLatest) {
   const auto start = std::chrono::steady_clock::now();
   while (std::chrono::steady_clock::now() - start < std::chrono::seconds(35) && kills < 30) {
     // A fresh store per restart generation, as a launcher provides.
-    auto writers = start_writers(ckpt_dir, dir / ("store_" + std::to_string(kills)), 1000,
-                                 dir.path());
+    auto writers =
+        start_writers(ckpt_dir, dir / ("store_" + std::to_string(kills)), 1000, dir.path());
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms(random)));
     for (auto& w : writers) w.signal(SIGKILL);
     for (auto& w : writers) w.wait();

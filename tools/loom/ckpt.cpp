@@ -42,12 +42,11 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 // The step asked for, or the newest committed one. InvalidArgument (exit 2) when none.
 int64_t resolve_step(const CkptArgs& args) {
-  LOOM_CHECK(std::filesystem::is_directory(args.dir), InvalidArgument, "no directory ",
-             args.dir);
+  LOOM_CHECK(std::filesystem::is_directory(args.dir), InvalidArgument, "no directory ", args.dir);
   if (args.step) {
     const auto dir = std::filesystem::path(args.dir) / ckpt::step_dir_name(*args.step);
-    LOOM_CHECK(std::filesystem::exists(dir / ckpt::kManifestName), InvalidArgument,
-               "step ", *args.step, " is not a committed checkpoint in ", args.dir, " (no ",
+    LOOM_CHECK(std::filesystem::exists(dir / ckpt::kManifestName), InvalidArgument, "step ",
+               *args.step, " is not a committed checkpoint in ", args.dir, " (no ",
                (dir / ckpt::kManifestName).string(), ")");
     return *args.step;
   }
@@ -57,8 +56,7 @@ int64_t resolve_step(const CkptArgs& args) {
 }
 
 int run_ls(const CkptArgs& args) {
-  LOOM_CHECK(std::filesystem::is_directory(args.dir), InvalidArgument, "no directory ",
-             args.dir);
+  LOOM_CHECK(std::filesystem::is_directory(args.dir), InvalidArgument, "no directory ", args.dir);
   auto steps = ckpt::committed_steps(args.dir);
   std::printf("%-12s %12s %6s %8s  %s\n", "step", "size", "ranks", "tensors", "path");
   for (int64_t step : steps) {
@@ -75,9 +73,10 @@ int run_ls(const CkptArgs& args) {
   }
   const auto partial = ckpt::uncommitted_dirs(args.dir);
   if (!partial.empty()) {
-    std::printf("(%zu director%s without a manifest: interrupted or failed saves, not "
-                "checkpoints)\n",
-                partial.size(), partial.size() == 1 ? "y" : "ies");
+    std::printf(
+        "(%zu director%s without a manifest: interrupted or failed saves, not "
+        "checkpoints)\n",
+        partial.size(), partial.size() == 1 ? "y" : "ies");
   }
   if (steps.empty()) std::printf("(no committed checkpoint)\n");
   return kExitOk;
@@ -107,9 +106,8 @@ int run_show(const CkptArgs& args) {
   const auto dir = std::filesystem::path(args.dir) / ckpt::step_dir_name(step);
   ckpt::Manifest m = ckpt::read_manifest(dir);
   std::printf("step %lld in %s: saved by %d rank%s, %s in %zu files\n",
-              static_cast<long long>(step), dir.c_str(), m.world_size,
-              m.world_size == 1 ? "" : "s", bytes_text(static_cast<double>(m.data_bytes())).c_str(),
-              m.files.size());
+              static_cast<long long>(step), dir.c_str(), m.world_size, m.world_size == 1 ? "" : "s",
+              bytes_text(static_cast<double>(m.data_bytes())).c_str(), m.files.size());
   std::printf("\n%-40s %-9s %-20s %-10s %6s %12s\n", "tensor", "dtype", "shape", "saved as",
               "pieces", "size");
   for (const auto& t : m.tensors) {
@@ -131,7 +129,8 @@ void add_step_command(CLI::App* ckpt, const std::string& name, const std::string
   auto args = std::make_shared<CkptArgs>();
   CLI::App* command = ckpt->add_subcommand(name, description);
   command->add_option("dir", args->dir, "the checkpoint directory")->required();
-  if (takes_step) command->add_option("step", args->step, "the step (default: the newest committed)");
+  if (takes_step)
+    command->add_option("step", args->step, "the step (default: the newest committed)");
   command->footer(footer);
   command->callback([args, run, &action] { action = [args, run] { return run(*args); }; });
 }
@@ -141,8 +140,9 @@ void add_step_command(CLI::App* ckpt, const std::string& name, const std::string
 void register_ckpt(CLI::App& app, Action& action) {
   CLI::App* ckpt = app.add_subcommand("ckpt", "Inspect and verify Loom checkpoints.");
   ckpt->require_subcommand(1);
-  ckpt->footer("A checkpoint directory holds step_<N>/ directories; one is a checkpoint once\n"
-               "its manifest.json exists (see docs/checkpoint.md).");
+  ckpt->footer(
+      "A checkpoint directory holds step_<N>/ directories; one is a checkpoint once\n"
+      "its manifest.json exists (see docs/checkpoint.md).");
   add_step_command(ckpt, "ls", "List the committed steps with their sizes.",
                    "Exit codes: 0 listed, 2 no such directory.", run_ls, action, false);
   add_step_command(ckpt, "verify", "Read every byte of a step and check every hash.",

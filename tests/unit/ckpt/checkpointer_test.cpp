@@ -62,8 +62,7 @@ CheckpointerOptions options_for(const std::filesystem::path& dir, int rank, int 
 void expect_equal_state(const State& got, const State& want) {
   ASSERT_EQ(got.tensors.size(), want.tensors.size());
   for (size_t i = 0; i < got.tensors.size(); ++i) {
-    EXPECT_TRUE(torch::equal(got.tensors[i].tensor, want.tensors[i].tensor))
-        << got.tensors[i].name;
+    EXPECT_TRUE(torch::equal(got.tensors[i].tensor, want.tensors[i].tensor)) << got.tensors[i].name;
   }
   EXPECT_EQ(got.blobs, want.blobs);
 }
@@ -214,8 +213,7 @@ TEST(Checkpointer, InvalidStatesAreRejectedAtSave) {
   State dup;
   dup.add("w", torch::ones({4}));
   dup.add("w", torch::ones({4}));
-  EXPECT_NE(error_of<InvalidArgument>([&] { ckpt.save(1, dup); }).find("\"w\""),
-            std::string::npos);
+  EXPECT_NE(error_of<InvalidArgument>([&] { ckpt.save(1, dup); }).find("\"w\""), std::string::npos);
   State bad_rows;
   bad_rows.add("r", torch::ones({3, 4}), Sharding::rows({10, 4}, 0, 2));
   EXPECT_NE(error_of<InvalidArgument>([&] { ckpt.save(1, bad_rows); }).find("\"r\""),
@@ -237,17 +235,16 @@ TEST(Checkpointer, LoadListsEveryDifferenceAndNeverDropsAMissingTensor) {
   ckpt.save_sync(1, s);
 
   State asked;
-  asked.add("model.w", torch::zeros({4, 3}));                  // another shape
-  asked.add("model.b", torch::zeros({2}, torch::kFloat64));    // another dtype
-  asked.add("adam.m", torch::zeros({8}));                      // optimizer state not saved
+  asked.add("model.w", torch::zeros({4, 3}));                // another shape
+  asked.add("model.b", torch::zeros({2}, torch::kFloat64));  // another dtype
+  asked.add("adam.m", torch::zeros({8}));                    // optimizer state not saved
   asked.blobs["reader"] = "";
   std::string message = error_of<InvalidArgument>([&] { ckpt.load(asked); });
   EXPECT_NE(message.find("4 difference"), std::string::npos) << message;
   EXPECT_NE(message.find("\"model.w\": global shape [4, 3] asked for, [4, 2] saved"),
             std::string::npos)
       << message;
-  EXPECT_NE(message.find("\"model.b\": dtype float64 asked for, float32 saved"),
-            std::string::npos)
+  EXPECT_NE(message.find("\"model.b\": dtype float64 asked for, float32 saved"), std::string::npos)
       << message;
   EXPECT_NE(message.find("\"adam.m\" is not in the checkpoint"), std::string::npos) << message;
   EXPECT_NE(message.find("blob \"reader\""), std::string::npos) << message;
@@ -294,17 +291,20 @@ void expect_fault_fails_every_rank(int world, int failing_rank,
 }
 
 TEST(CheckpointerFaults, FailedFsyncSurfacesFromEveryRanksWait) {
-  expect_fault_fails_every_rank(2, 1, [](auto& s) { s.fail_sync = true; }, "Input/output error");
-  expect_fault_fails_every_rank(2, 0, [](auto& s) { s.fail_sync = true; }, "Input/output error");
+  expect_fault_fails_every_rank(
+      2, 1, [](auto& s) { s.fail_sync = true; }, "Input/output error");
+  expect_fault_fails_every_rank(
+      2, 0, [](auto& s) { s.fail_sync = true; }, "Input/output error");
 }
 
 TEST(CheckpointerFaults, NoSpaceSurfacesFromEveryRanksWait) {
-  expect_fault_fails_every_rank(3, 2, [](auto& s) { s.no_space = true; },
-                                "No space left on device");
+  expect_fault_fails_every_rank(
+      3, 2, [](auto& s) { s.no_space = true; }, "No space left on device");
 }
 
 TEST(CheckpointerFaults, FailedRenameSurfacesFromEveryRanksWait) {
-  expect_fault_fails_every_rank(2, 1, [](auto& s) { s.fail_rename = true; }, "rename");
+  expect_fault_fails_every_rank(
+      2, 1, [](auto& s) { s.fail_rename = true; }, "rename");
 }
 
 TEST(CheckpointerFaults, ShortWritesStillWriteEveryByte) {
@@ -363,6 +363,36 @@ TEST(Checkpointer, SkipIfBusySkipsOnEveryRank) {
     EXPECT_FALSE(first.skipped());
   }));
   EXPECT_EQ(committed_steps(dir.path()), std::vector<int64_t>{1});
+}
+
+// The example of docs/checkpoint.md, run twice: the second run resumes from step 100.
+TEST(Checkpointer, GuideExampleRuns) {
+  TempDir dir;
+  for (int run = 0; run < 2; ++run) {
+    loom::comm::InMemoryStore store;
+    loom::ckpt::Checkpointer ckpt(store, {.dir = dir / "ckpt", .keep_last = 3});
+    torch::Tensor weight = torch::randn({256, 128});
+    torch::Tensor adam_m = torch::zeros({256 * 128});
+    loom::ckpt::State state;
+    state.add("model.weight", weight);
+    state.add("adam.m", adam_m, loom::ckpt::Sharding::flat({256, 128}, 0, 256 * 128));
+    state.blobs["trainer"] = R"({"step":0})";
+    int64_t step = 0;
+    if (ckpt.latest()) step = ckpt.load(state);
+    EXPECT_EQ(step, run * 100);
+    loom::ckpt::SaveHandle pending;
+    for (int i = 0; i < 100; ++i) {
+      ckpt.before_optimizer_step();
+      weight.add_(0.01);
+      ++step;
+      if (step % 10 == 0) {
+        state.blobs["trainer"] = "{\"step\":" + std::to_string(step) + "}";
+        pending = ckpt.save(step, state, {.defer_copy = true});
+      }
+    }
+    if (pending.valid()) pending.wait(std::chrono::minutes(5));
+    EXPECT_EQ(ckpt.list().size(), 3u);
+  }
 }
 
 // VmRSS in KiB from /proc/self/status.

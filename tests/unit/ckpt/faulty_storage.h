@@ -16,12 +16,12 @@ namespace loom::ckpt::testing {
 
 class FaultyStorage final : public Storage {
  public:
-  std::atomic<bool> fail_sync{false};         // fsync of a data file fails (EIO)
-  std::atomic<bool> no_space{false};          // writes fail with ENOSPC
-  std::atomic<bool> short_writes{false};      // each write writes at most 1000 bytes
-  std::atomic<bool> fail_rename{false};       // renames fail (EIO)
-  std::atomic<int64_t> bytes_written{0};      // through every file of this storage
-  std::atomic<int64_t> bytes_read{0};         // likewise
+  std::atomic<bool> fail_sync{false};     // fsync of a data file fails (EIO)
+  std::atomic<bool> no_space{false};      // writes fail with ENOSPC
+  std::atomic<bool> short_writes{false};  // each write writes at most 1000 bytes
+  std::atomic<bool> fail_rename{false};   // renames fail (EIO)
+  std::atomic<int64_t> bytes_written{0};  // through every file of this storage
+  std::atomic<int64_t> bytes_read{0};     // likewise
 
   std::unique_ptr<WritableFile> create(const std::filesystem::path& path) override {
     return std::make_unique<File>(*this, base_->create(path), path);

@@ -52,8 +52,9 @@ TEST(Manifest, JsonRoundTrips) {
 }
 
 TEST(Manifest, MalformedManifestIsCorruptDataNamingIt) {
-  EXPECT_NE(error_of<CorruptData>([] { parse_manifest("{\"format\": 1", "dir/manifest.json"); })
-                .find("dir/manifest.json"),
+  EXPECT_NE(error_of<CorruptData>([] {
+              parse_manifest("{\"format\": 1", "dir/manifest.json");
+            }).find("dir/manifest.json"),
             std::string::npos);
   EXPECT_THROW(parse_manifest("{}", "x"), CorruptData);
 }
@@ -71,13 +72,15 @@ TEST(Manifest, MergeJoinsSortsAndChecksCoverage) {
 
   Manifest gap = r1;
   gap.tensors[0].pieces[0].end = 10;
-  EXPECT_NE(error_of<InvalidArgument>([&] { merge_reports(3, {r0, gap}); })
-                .find("no rank holds elements [10, 20) of tensor \"w\""),
+  EXPECT_NE(error_of<InvalidArgument>([&] {
+              merge_reports(3, {r0, gap});
+            }).find("no rank holds elements [10, 20) of tensor \"w\""),
             std::string::npos);
   Manifest other_shape = r1;
   other_shape.tensors[0].shape = {41};
-  EXPECT_NE(error_of<InvalidArgument>([&] { merge_reports(3, {r0, other_shape}); })
-                .find("tensor \"w\""),
+  EXPECT_NE(error_of<InvalidArgument>([&] {
+              merge_reports(3, {r0, other_shape});
+            }).find("tensor \"w\""),
             std::string::npos);
 }
 
