@@ -174,7 +174,8 @@ struct Checkpointer::Impl {
   const std::shared_ptr<spdlog::logger> log;
 
   // Touched by the training thread only (and the destructor).
-  std::shared_ptr<Job> current;  // the newest save, maybe in flight
+  std::shared_ptr<Job> current;      // the newest save, maybe in flight
+  std::optional<int64_t> last_step;  // the step of the newest save() that got past validation
   AlignedBuffer staging;
   size_t staging_capacity = 0;
 
@@ -322,16 +323,21 @@ bool Checkpointer::Impl::commit(Job& job) {
   const auto deadline = Clock::now() + options.timeout;
   std::vector<Manifest> reports{job.report};
   std::string failure, skip;
-  for (int r = 1; r < options.world_size; ++r) {
-    const auto [status, body] =
-        split_status(store.get(key(job.step, detail::concat("rank_", r)), remaining(deadline)));
-    if (status == "ok") {
-      reports.push_back(parse_manifest(body, detail::concat("rank ", r, "'s report")));
-    } else if (status == "skipped") {
-      if (skip.empty()) skip = detail::concat("rank ", r, ": ", body);
-    } else if (failure.empty()) {
-      failure = body;
+  try {
+    for (int r = 1; r < options.world_size; ++r) {
+      const auto [status, body] =
+          split_status(store.get(key(job.step, detail::concat("rank_", r)), remaining(deadline)));
+      if (status == "ok") {
+        reports.push_back(parse_manifest(body, detail::concat("rank ", r, "'s report")));
+      } else if (status == "skipped") {
+        if (skip.empty()) skip = detail::concat("rank ", r, ": ", body);
+      } else if (failure.empty()) {
+        failure = body;
+      }
     }
+  } catch (const std::exception& e) {  // a rank that never reported: the others fail fast too
+    store.set(key(job.step, "commit"), detail::concat("error\nrank 0: ", e.what()));
+    throw;
   }
   if (!failure.empty() || !skip.empty()) {
     store.set(key(job.step, "commit"), failure.empty() ? "skipped\n" + skip : "error\n" + failure);
@@ -447,9 +453,10 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
                  "\" is not valid JSON");
     }
   }
-  LOOM_CHECK(!std::filesystem::exists(m.step_dir(step) / kManifestName), InvalidArgument,
-             "checkpoint step ", step, " is already committed in ", m.options.dir.string(),
-             "; save under a new step or remove that directory first");
+  // Steps only grow within a run: retention and the commit protocol rely on it.
+  LOOM_CHECK(!m.last_step || step > *m.last_step, InvalidArgument, "checkpoint step ", step,
+             " was asked for after step ", m.last_step.value_or(0),
+             "; steps must increase from save to save");
 
   auto job = std::make_shared<SaveHandle::Job>();
   job->step = step;
@@ -465,6 +472,7 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
           m.key(step, m.options.rank == 0 ? "commit" : detail::concat("rank_", m.options.rank)),
           why);
       m.finish_keys(step);
+      m.last_step = step;
       job->copied = true;
       job->finish(true, nullptr);
       return SaveHandle(job);
@@ -475,6 +483,10 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
                m.options.timeout.count(), " ms");
     m.current.reset();
   }
+  LOOM_CHECK(!std::filesystem::exists(m.step_dir(step) / kManifestName), InvalidArgument,
+             "checkpoint step ", step, " is already committed in ", m.options.dir.string(),
+             "; save under a new step or remove that directory first");
+  m.last_step = step;
   if (plan.file_bytes > m.staging_capacity) {
     const size_t capacity =
         (plan.file_bytes + kStagingAlignment - 1) / kStagingAlignment * kStagingAlignment;
@@ -530,7 +542,9 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
 }
 
 void Checkpointer::save_sync(int64_t step, const State& state) {
-  save(step, state).wait(impl_->options.timeout);
+  // Twice the cross-rank deadline: the save's own Timeout (naming what it waited for) comes
+  // first when a rank never reports.
+  save(step, state).wait(2 * impl_->options.timeout);
 }
 
 void Checkpointer::before_optimizer_step() {

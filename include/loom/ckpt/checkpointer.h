@@ -135,7 +135,7 @@ class Checkpointer {
   // a step already committed). Staging memory is allocated on the first save and reused; it
   // grows only when a later state is larger. At most one save is in flight (options).
   SaveHandle save(int64_t step, const State& state, const SaveOptions& options = {});
-  // save() then wait().
+  // save() then wait(2 * options.timeout).
   void save_sync(int64_t step, const State& state);
   // Performs a deferred copy now, if one is pending; otherwise returns at once.
   void before_optimizer_step();

@@ -195,15 +195,21 @@ TEST(Checkpointer, RetentionKeepsLastKAndEveryMthAndRemovesPartialDirs) {
   EXPECT_FALSE(std::filesystem::exists(dir / "step_00000001"));
 }
 
-TEST(Checkpointer, SavingACommittedStepAgainIsInvalidArgument) {
+TEST(Checkpointer, StepsMustIncreaseAndCommittedStepsAreNeverOverwritten) {
   TempDir dir;
   comm::InMemoryStore store;
   Checkpointer ckpt(store, {.dir = dir.path()});
   State s;
   s.add("w", torch::ones({4}));
-  ckpt.save_sync(1, s);
-  std::string message = error_of<InvalidArgument>([&] { ckpt.save(1, s); });
+  ckpt.save_sync(2, s);
+  std::string message = error_of<InvalidArgument>([&] { ckpt.save(2, s); });
+  EXPECT_NE(message.find("steps must increase"), std::string::npos) << message;
+  EXPECT_THROW(ckpt.save(1, s), InvalidArgument);
+  // A restarted job (a new Checkpointer) may not overwrite a committed step either.
+  Checkpointer restarted(store, {.dir = dir.path()});
+  message = error_of<InvalidArgument>([&] { restarted.save(2, s); });
   EXPECT_NE(message.find("already committed"), std::string::npos) << message;
+  restarted.save_sync(3, s);
 }
 
 TEST(Checkpointer, InvalidStatesAreRejectedAtSave) {
@@ -305,6 +311,21 @@ TEST(CheckpointerFaults, NoSpaceSurfacesFromEveryRanksWait) {
 TEST(CheckpointerFaults, FailedRenameSurfacesFromEveryRanksWait) {
   expect_fault_fails_every_rank(
       2, 1, [](auto& s) { s.fail_rename = true; }, "rename");
+}
+
+TEST(CheckpointerFaults, ARankThatNeverSavesIsATimeoutNotAHang) {
+  TempDir dir;
+  expect_all_ok(run_threads(2, [&](loom::testing::Rank& r) {
+    if (r.rank == 1) return;  // never saves step 1
+    CheckpointerOptions options = options_for(dir.path(), r.rank, r.world);
+    options.timeout = std::chrono::milliseconds(200);
+    Checkpointer ckpt(r.store, options);
+    State s;
+    s.add("w", torch::ones({8}));
+    std::string message = error_of<Timeout>([&] { ckpt.save_sync(1, s); });
+    EXPECT_NE(message.find("ckpt/1/rank_1"), std::string::npos) << message;
+  }));
+  EXPECT_TRUE(committed_steps(dir.path()).empty());
 }
 
 TEST(CheckpointerFaults, ShortWritesStillWriteEveryByte) {
