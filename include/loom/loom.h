@@ -1,6 +1,8 @@
 // The umbrella header: everything a Loom user needs.
 #pragma once
 
+#include "loom/ckpt/checkpointer.h"
+#include "loom/ckpt/state.h"
 #include "loom/comm/gloo.h"
 #include "loom/comm/group.h"
 #include "loom/comm/store.h"

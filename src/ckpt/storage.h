@@ -1,0 +1,67 @@
+// The checkpointer's storage seam: every byte the checkpointer writes or reads, every fsync,
+// rename and removal goes through a Storage, so tests can inject failures (failed fsync, short
+// writes, ENOSPC) the way LevelDB's SpecialEnv does. Private to Loom.
+//
+// posix_storage() is the real one. Failures are IoError naming the call, the path and errno's
+// text. Implementations must be safe to use from several threads at once (ranks as threads
+// share one); a file object is used by one thread at a time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+
+namespace loom::ckpt {
+
+// A file being written from the start, sequentially. Closing without sync() loses nothing
+// on a clean shutdown but is not durable.
+class WritableFile {
+ public:
+  virtual ~WritableFile() = default;
+  // Writes up to size bytes; returns how many were written (at least 1). A short count is
+  // not an error: callers loop (write_all).
+  virtual size_t write(const void* data, size_t size) = 0;
+  virtual void sync() = 0;
+  // Starts writing [offset, offset + size) back to the device without waiting (Linux
+  // sync_file_range), so the disk works while the writer hashes the next bytes. A hint:
+  // failures surface at sync().
+  virtual void start_writeback(uint64_t offset, uint64_t size) = 0;
+};
+
+// A file read at offsets.
+class ReadableFile {
+ public:
+  virtual ~ReadableFile() = default;
+  // Reads up to size bytes at offset; returns how many were read (0 at end of file).
+  virtual size_t read_at(uint64_t offset, void* data, size_t size) = 0;
+  virtual uint64_t size() = 0;
+  // Hints that [offset, offset + size) will be read soon (posix_fadvise WILLNEED).
+  virtual void will_need(uint64_t offset, uint64_t size) = 0;
+};
+
+class Storage {
+ public:
+  virtual ~Storage() = default;
+  // Creates (or truncates) path for writing.
+  virtual std::unique_ptr<WritableFile> create(const std::filesystem::path& path) = 0;
+  virtual std::unique_ptr<ReadableFile> open(const std::filesystem::path& path) = 0;
+  virtual void rename(const std::filesystem::path& from, const std::filesystem::path& to) = 0;
+  // fsyncs a directory so that creates, renames and removals inside it are durable.
+  virtual void sync_dir(const std::filesystem::path& dir) = 0;
+  // mkdir -p.
+  virtual void create_dirs(const std::filesystem::path& dir) = 0;
+  // rm -f / rm -rf; a missing path is not an error.
+  virtual void remove(const std::filesystem::path& path) = 0;
+  virtual void remove_all(const std::filesystem::path& path) = 0;
+};
+
+// The process-wide POSIX storage (stateless; shared).
+std::shared_ptr<Storage> posix_storage();
+
+// Writes all of [data, data + size), looping over short writes.
+void write_all(WritableFile& file, const void* data, size_t size);
+// Reads exactly size bytes at offset; returns false when the file ends first.
+bool read_exact(ReadableFile& file, uint64_t offset, void* data, size_t size);
+
+}  // namespace loom::ckpt

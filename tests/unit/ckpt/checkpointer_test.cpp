@@ -1,0 +1,457 @@
+// The checkpointer end to end on ranks as threads: round trips, async and deferred saves,
+// resharding between world sizes for every sharding kind, retention, injected storage faults,
+// load differences, and flat memory over many saves.
+#include "loom/ckpt/checkpointer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <thread>
+
+#include "ckpt/manifest.h"
+#include "faulty_storage.h"
+#include "harness/harness.h"
+#include "loom/comm/store.h"
+#include "loom/error.h"
+
+namespace loom::ckpt {
+namespace {
+
+using loom::testing::error_of;
+using loom::testing::expect_all_ok;
+using loom::testing::run_threads;
+using loom::testing::TempDir;
+
+// Rank r's share [begin, end) of n items over world ranks; uneven, possibly empty.
+std::pair<int64_t, int64_t> share(int64_t n, int rank, int world) {
+  return {n * rank / world, n * (rank + 1) / world};
+}
+
+// The global tensors every test saves: every sharding kind, several dtypes, an uneven split
+// and a tensor with fewer rows than ranks.
+struct Globals {
+  torch::Tensor rep = torch::arange(15, torch::kFloat32).reshape({5, 3});
+  torch::Tensor rows = torch::randn({10, 4});
+  torch::Tensor few_rows = torch::arange(6, torch::kInt64).reshape({3, 2});
+  torch::Tensor flat = torch::randn({7, 3}).to(torch::kBFloat16);
+  torch::Tensor flat_big = torch::randn({5000});  // several hash chunks in tests
+};
+
+// Rank `rank` of `world`'s State: each tensor as the piece of the global that kind holds.
+State state_for(const Globals& g, int rank, int world, bool copy = true) {
+  auto take = [&](const torch::Tensor& t) { return copy ? t.clone() : torch::zeros_like(t); };
+  State s;
+  s.add("rep", take(g.rep));
+  auto [rb, re] = share(10, rank, world);
+  s.add("rows", take(g.rows.slice(0, rb, re)), Sharding::rows({10, 4}, rb, re));
+  auto [fb, fe] = share(3, rank, world);
+  s.add("few_rows", take(g.few_rows.slice(0, fb, fe)), Sharding::rows({3, 2}, fb, fe));
+  auto [lb, le] = share(21, rank, world);
+  s.add("flat", take(g.flat.reshape(-1).slice(0, lb, le)), Sharding::flat({7, 3}, lb, le));
+  auto [bb, be] = share(5000, rank, world);
+  s.add("flat_big", take(g.flat_big.slice(0, bb, be)), Sharding::flat({5000}, bb, be));
+  s.blobs["trainer"] = R"({"lr":0.001,"step":7})";  // compact, keys sorted: as loaded
+  return s;
+}
+
+CheckpointerOptions options_for(const std::filesystem::path& dir, int rank, int world) {
+  return {.dir = dir, .rank = rank, .world_size = world, .hash_chunk_bytes = 1024};
+}
+
+void expect_equal_state(const State& got, const State& want) {
+  ASSERT_EQ(got.tensors.size(), want.tensors.size());
+  for (size_t i = 0; i < got.tensors.size(); ++i) {
+    EXPECT_TRUE(torch::equal(got.tensors[i].tensor, want.tensors[i].tensor)) << got.tensors[i].name;
+  }
+  EXPECT_EQ(got.blobs, want.blobs);
+}
+
+TEST(Checkpointer, SaveThenLoadRoundTripsEveryTensorAndBlob) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Globals g;
+  Checkpointer ckpt(store, options_for(dir / "ckpt", 0, 1));
+  ckpt.save_sync(100, state_for(g, 0, 1));
+  ASSERT_EQ(ckpt.list().size(), 1u);
+  EXPECT_EQ(ckpt.list()[0].step, 100);
+  EXPECT_EQ(ckpt.latest(), 100);
+  EXPECT_TRUE(std::filesystem::exists(dir / "ckpt" / "step_00000100" / "manifest.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "ckpt" / "step_00000100" / "rank_00000.data"));
+  ckpt.verify(100);
+
+  State loaded = state_for(g, 0, 1, /*copy=*/false);
+  loaded.blobs["trainer"] = "";
+  EXPECT_EQ(ckpt.load(loaded), 100);
+  expect_equal_state(loaded, state_for(g, 0, 1));
+}
+
+TEST(Checkpointer, AsyncSaveSnapshotsAtSaveTime) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, options_for(dir.path(), 0, 1));
+  torch::Tensor w = torch::ones({1000});
+  State s;
+  s.add("w", w);
+  SaveHandle h = ckpt.save(1, s);
+  w.fill_(2);  // after save() returns the tensor is the caller's again
+  h.wait(std::chrono::seconds(30));
+  EXPECT_TRUE(h.done());
+  EXPECT_FALSE(h.skipped());
+  State loaded;
+  loaded.add("w", torch::zeros({1000}));
+  ckpt.load(1, loaded);
+  EXPECT_TRUE(torch::equal(loaded.tensors[0].tensor, torch::ones({1000})));
+}
+
+TEST(Checkpointer, DeferredCopyHappensAtBeforeOptimizerStep) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, options_for(dir.path(), 0, 1));
+  torch::Tensor w = torch::ones({1000});
+  State s;
+  s.add("w", w);
+  SaveHandle h = ckpt.save(1, s, {.defer_copy = true});
+  w.fill_(3);  // forward/backward may not change parameters, but this shows when the copy is
+  ckpt.before_optimizer_step();
+  w.fill_(4);  // the optimizer step: after the copy
+  h.wait(std::chrono::seconds(30));
+  State loaded;
+  loaded.add("w", torch::zeros({1000}));
+  ckpt.load(1, loaded);
+  EXPECT_TRUE(torch::equal(loaded.tensors[0].tensor, torch::full({1000}, 3.0f)));
+
+  // Without before_optimizer_step, wait() performs the copy.
+  SaveHandle h2 = ckpt.save(2, s, {.defer_copy = true});
+  h2.wait(std::chrono::seconds(30));
+  ckpt.load(2, loaded);
+  EXPECT_TRUE(torch::equal(loaded.tensors[0].tensor, torch::full({1000}, 4.0f)));
+}
+
+TEST(Checkpointer, ReplicatedTensorsAreWrittenOnce) {
+  TempDir dir;
+  Globals g;
+  expect_all_ok(run_threads(3, [&](loom::testing::Rank& r) {
+    Checkpointer ckpt(r.store, options_for(dir.path(), r.rank, r.world));
+    ckpt.save_sync(5, state_for(g, r.rank, r.world));
+  }));
+  Manifest m = read_manifest(dir / "step_00000005");
+  ASSERT_NE(m.find("rep"), nullptr);
+  ASSERT_EQ(m.find("rep")->pieces.size(), 1u);
+  EXPECT_EQ(m.find("rep")->pieces[0].file, "rank_00000.data");
+  EXPECT_EQ(m.find("rows")->pieces.size(), 3u);
+  EXPECT_EQ(m.files.size(), 3u);
+  EXPECT_EQ(m.world_size, 3);
+}
+
+TEST(Checkpointer, ReshardsBetweenEveryWorldSizeForEveryKind) {
+  TempDir dir;
+  Globals g;
+  for (int saved = 1; saved <= 4; ++saved) {
+    expect_all_ok(run_threads(saved, [&](loom::testing::Rank& r) {
+      Checkpointer ckpt(r.store, options_for(dir / std::to_string(saved), r.rank, r.world));
+      ckpt.save_sync(saved, state_for(g, r.rank, r.world));
+    }));
+  }
+  for (int saved = 1; saved <= 4; ++saved) {
+    for (int loading = 1; loading <= 4; ++loading) {
+      SCOPED_TRACE(::testing::Message() << "saved at W=" << saved << ", loaded at W=" << loading);
+      expect_all_ok(run_threads(loading, [&](loom::testing::Rank& r) {
+        Checkpointer ckpt(r.store, options_for(dir / std::to_string(saved), r.rank, r.world));
+        State s = state_for(g, r.rank, r.world, /*copy=*/false);
+        s.blobs["trainer"] = "";
+        EXPECT_EQ(ckpt.load(s), saved);
+        expect_equal_state(s, state_for(g, r.rank, r.world));
+        // Every piece as the whole global tensor (replicated) reads the same bytes too.
+        State whole;
+        whole.add("rep", torch::zeros_like(g.rep));
+        whole.add("rows", torch::zeros_like(g.rows));
+        whole.add("few_rows", torch::zeros_like(g.few_rows));
+        whole.add("flat", torch::zeros_like(g.flat));
+        whole.add("flat_big", torch::zeros_like(g.flat_big));
+        ckpt.load(whole);
+        EXPECT_TRUE(torch::equal(whole.tensors[1].tensor, g.rows));
+        EXPECT_TRUE(torch::equal(whole.tensors[3].tensor, g.flat));
+        EXPECT_TRUE(torch::equal(whole.tensors[4].tensor, g.flat_big));
+      }));
+    }
+  }
+}
+
+TEST(Checkpointer, RetentionKeepsLastKAndEveryMthAndRemovesPartialDirs) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  std::filesystem::create_directories(dir / "step_00000003");  // an interrupted save
+  std::ofstream(dir / "step_00000003" / "rank_00000.data") << "partial";
+  Checkpointer ckpt(store, {.dir = dir.path(), .keep_last = 2, .keep_every = 4});
+  State s;
+  s.add("w", torch::ones({4}));
+  EXPECT_EQ(ckpt.latest(), std::nullopt);  // a directory without a manifest is not latest
+  for (int step = 1; step <= 10; ++step) ckpt.save_sync(step * 1, s);
+  std::vector<int64_t> steps;
+  for (const auto& info : ckpt.list()) steps.push_back(info.step);
+  EXPECT_EQ(steps, (std::vector<int64_t>{4, 8, 9, 10}));
+  EXPECT_FALSE(std::filesystem::exists(dir / "step_00000003"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "step_00000001"));
+}
+
+TEST(Checkpointer, StepsMustIncreaseAndCommittedStepsAreNeverOverwritten) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, {.dir = dir.path()});
+  State s;
+  s.add("w", torch::ones({4}));
+  ckpt.save_sync(2, s);
+  std::string message = error_of<InvalidArgument>([&] { ckpt.save(2, s); });
+  EXPECT_NE(message.find("steps must increase"), std::string::npos) << message;
+  EXPECT_THROW(ckpt.save(1, s), InvalidArgument);
+  // A restarted job (a new Checkpointer) may not overwrite a committed step either.
+  Checkpointer restarted(store, {.dir = dir.path()});
+  message = error_of<InvalidArgument>([&] { restarted.save(2, s); });
+  EXPECT_NE(message.find("already committed"), std::string::npos) << message;
+  restarted.save_sync(3, s);
+}
+
+TEST(Checkpointer, InvalidStatesAreRejectedAtSave) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, {.dir = dir.path()});
+  State dup;
+  dup.add("w", torch::ones({4}));
+  dup.add("w", torch::ones({4}));
+  EXPECT_NE(error_of<InvalidArgument>([&] { ckpt.save(1, dup); }).find("\"w\""), std::string::npos);
+  State bad_rows;
+  bad_rows.add("r", torch::ones({3, 4}), Sharding::rows({10, 4}, 0, 2));
+  EXPECT_NE(error_of<InvalidArgument>([&] { ckpt.save(1, bad_rows); }).find("\"r\""),
+            std::string::npos);
+  State bad_blob;
+  bad_blob.blobs["cfg"] = "{not json";
+  EXPECT_NE(error_of<InvalidArgument>([&] { ckpt.save(1, bad_blob); }).find("\"cfg\""),
+            std::string::npos);
+  EXPECT_EQ(ckpt.latest(), std::nullopt);
+}
+
+TEST(Checkpointer, LoadListsEveryDifferenceAndNeverDropsAMissingTensor) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, {.dir = dir.path()});
+  State s;
+  s.add("model.w", torch::ones({4, 2}));
+  s.add("model.b", torch::ones({2}));
+  ckpt.save_sync(1, s);
+
+  State asked;
+  asked.add("model.w", torch::zeros({4, 3}));                // another shape
+  asked.add("model.b", torch::zeros({2}, torch::kFloat64));  // another dtype
+  asked.add("adam.m", torch::zeros({8}));                    // optimizer state not saved
+  asked.blobs["reader"] = "";
+  std::string message = error_of<InvalidArgument>([&] { ckpt.load(asked); });
+  EXPECT_NE(message.find("4 difference"), std::string::npos) << message;
+  EXPECT_NE(message.find("\"model.w\": global shape [4, 3] asked for, [4, 2] saved"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("\"model.b\": dtype float64 asked for, float32 saved"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("\"adam.m\" is not in the checkpoint"), std::string::npos) << message;
+  EXPECT_NE(message.find("blob \"reader\""), std::string::npos) << message;
+
+  // strict: a saved tensor not asked for is a difference; strict = false allows it.
+  State only_w;
+  only_w.add("model.w", torch::zeros({4, 2}));
+  EXPECT_NE(error_of<InvalidArgument>([&] { ckpt.load(only_w); }).find("\"model.b\""),
+            std::string::npos);
+  ckpt.load(only_w, {.strict = false});
+  EXPECT_TRUE(torch::equal(only_w.tensors[0].tensor, torch::ones({4, 2})));
+}
+
+TEST(Checkpointer, NoCheckpointIsIoError) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, {.dir = dir.path()});
+  State s;
+  EXPECT_NE(error_of<IoError>([&] { ckpt.load(s); }).find("no committed checkpoint"),
+            std::string::npos);
+}
+
+// A fault on `failing_rank` of `world`: every rank's wait() raises, nothing is committed.
+void expect_fault_fails_every_rank(int world, int failing_rank,
+                                   const std::function<void(testing::FaultyStorage&)>& arm,
+                                   const std::string& cause) {
+  TempDir dir;
+  Globals g;
+  expect_all_ok(run_threads(world, [&](loom::testing::Rank& r) {
+    auto storage = std::make_shared<testing::FaultyStorage>();
+    if (r.rank == failing_rank) arm(*storage);
+    Checkpointer ckpt(r.store, options_for(dir.path(), r.rank, r.world), storage);
+    SaveHandle h = ckpt.save(1, state_for(g, r.rank, r.world));
+    std::string message = error_of<IoError>([&] { h.wait(std::chrono::seconds(30)); });
+    EXPECT_NE(message.find(cause), std::string::npos) << message;
+    if (r.rank != failing_rank) {  // the failing rank raises its own error as it is
+      EXPECT_NE(message.find("rank " + std::to_string(failing_rank) + " could not write"),
+                std::string::npos)
+          << message;
+    }
+  }));
+  EXPECT_TRUE(committed_steps(dir.path()).empty());
+  EXPECT_FALSE(std::filesystem::exists(dir / "step_00000001" / "manifest.json"));
+}
+
+TEST(CheckpointerFaults, FailedFsyncSurfacesFromEveryRanksWait) {
+  expect_fault_fails_every_rank(
+      2, 1, [](auto& s) { s.fail_sync = true; }, "Input/output error");
+  expect_fault_fails_every_rank(
+      2, 0, [](auto& s) { s.fail_sync = true; }, "Input/output error");
+}
+
+TEST(CheckpointerFaults, NoSpaceSurfacesFromEveryRanksWait) {
+  expect_fault_fails_every_rank(
+      3, 2, [](auto& s) { s.no_space = true; }, "No space left on device");
+}
+
+TEST(CheckpointerFaults, FailedRenameSurfacesFromEveryRanksWait) {
+  expect_fault_fails_every_rank(
+      2, 1, [](auto& s) { s.fail_rename = true; }, "rename");
+}
+
+TEST(CheckpointerFaults, ARankThatNeverSavesIsATimeoutNotAHang) {
+  TempDir dir;
+  expect_all_ok(run_threads(2, [&](loom::testing::Rank& r) {
+    if (r.rank == 1) return;  // never saves step 1
+    CheckpointerOptions options = options_for(dir.path(), r.rank, r.world);
+    options.timeout = std::chrono::milliseconds(200);
+    Checkpointer ckpt(r.store, options);
+    State s;
+    s.add("w", torch::ones({8}));
+    std::string message = error_of<Timeout>([&] { ckpt.save_sync(1, s); });
+    EXPECT_NE(message.find("ckpt/1/rank_1"), std::string::npos) << message;
+  }));
+  EXPECT_TRUE(committed_steps(dir.path()).empty());
+}
+
+TEST(CheckpointerFaults, ShortWritesStillWriteEveryByte) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Globals g;
+  auto storage = std::make_shared<testing::FaultyStorage>();
+  storage->short_writes = true;
+  Checkpointer ckpt(store, options_for(dir.path(), 0, 1), storage);
+  ckpt.save_sync(1, state_for(g, 0, 1));
+  ckpt.verify(1);
+  State s = state_for(g, 0, 1, false);
+  ckpt.load(s);
+  expect_equal_state(s, state_for(g, 0, 1));
+}
+
+TEST(CheckpointerFaults, AFailedSaveLeavesTheCheckpointerUsable) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  auto storage = std::make_shared<testing::FaultyStorage>();
+  Checkpointer ckpt(store, {.dir = dir.path()}, storage);
+  State s;
+  s.add("w", torch::ones({100}));
+  ckpt.save_sync(1, s);
+  storage->no_space = true;
+  EXPECT_THROW(ckpt.save_sync(2, s), IoError);
+  storage->no_space = false;
+  EXPECT_EQ(ckpt.latest(), 1);
+  ckpt.save_sync(3, s);  // and retention removes the partial step 2
+  EXPECT_EQ(ckpt.latest(), 3);
+  EXPECT_FALSE(std::filesystem::exists(dir / "step_00000002"));
+}
+
+TEST(Checkpointer, SkipIfBusySkipsOnEveryRank) {
+  TempDir dir;
+  expect_all_ok(run_threads(2, [&](loom::testing::Rank& r) {
+    auto storage = std::make_shared<testing::FaultyStorage>();
+    CheckpointerOptions options = options_for(dir.path(), r.rank, r.world);
+    options.skip_if_busy = true;
+    Checkpointer ckpt(r.store, options, storage);
+    State s;
+    s.add("w", torch::ones({1 << 20}), Sharding::flat({2 << 20}, r.rank << 20, (r.rank + 1) << 20));
+    SaveHandle first = ckpt.save(1, s, {.defer_copy = true});  // in flight until copied
+    // Rank 0 is busy (its copy is deferred), so step 2 is skipped everywhere.
+    SaveHandle second;
+    if (r.rank == 0) {
+      second = ckpt.save(2, s);
+      r.store.set("rank 0 asked for step 2", "");
+    } else {
+      r.store.get("rank 0 asked for step 2", std::chrono::seconds(30));
+    }
+    first.wait(std::chrono::seconds(30));
+    if (r.rank != 0) second = ckpt.save(2, s);
+    second.wait(std::chrono::seconds(30));
+    EXPECT_TRUE(second.skipped());
+    EXPECT_FALSE(first.skipped());
+  }));
+  EXPECT_EQ(committed_steps(dir.path()), std::vector<int64_t>{1});
+}
+
+// The example of docs/checkpoint.md, run twice: the second run resumes from step 100.
+TEST(Checkpointer, GuideExampleRuns) {
+  TempDir dir;
+  for (int run = 0; run < 2; ++run) {
+    loom::comm::InMemoryStore store;
+    loom::ckpt::Checkpointer ckpt(store, {.dir = dir / "ckpt", .keep_last = 3});
+    torch::Tensor weight = torch::randn({256, 128});
+    torch::Tensor adam_m = torch::zeros({256 * 128});
+    loom::ckpt::State state;
+    state.add("model.weight", weight);
+    state.add("adam.m", adam_m, loom::ckpt::Sharding::flat({256, 128}, 0, 256 * 128));
+    state.blobs["trainer"] = R"({"step":0})";
+    int64_t step = 0;
+    if (ckpt.latest()) step = ckpt.load(state);
+    EXPECT_EQ(step, run * 100);
+    loom::ckpt::SaveHandle pending;
+    for (int i = 0; i < 100; ++i) {
+      ckpt.before_optimizer_step();
+      weight.add_(0.01);
+      ++step;
+      if (step % 10 == 0) {
+        state.blobs["trainer"] = "{\"step\":" + std::to_string(step) + "}";
+        pending = ckpt.save(step, state, {.defer_copy = true});
+      }
+    }
+    if (pending.valid()) pending.wait(std::chrono::minutes(5));
+    EXPECT_EQ(ckpt.list().size(), 3u);
+  }
+}
+
+// VmRSS in KiB from /proc/self/status.
+int64_t resident_kib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  return -1;
+}
+
+TEST(Checkpointer, FiftyAsyncSavesKeepResidentMemoryFlat) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, {.dir = dir.path(), .keep_last = 2});
+  torch::Tensor w = torch::randn({4 << 20});  // 16 MiB
+  State s;
+  s.add("w", w);
+  s.blobs["step"] = "0";
+  SaveHandle h;
+  int64_t after_first = 0;
+  for (int step = 1; step <= 50; ++step) {
+    s.blobs["step"] = std::to_string(step);
+    h = ckpt.save(step, s, {.defer_copy = step % 2 == 0});
+    ckpt.before_optimizer_step();
+    w.add_(1);
+    if (step == 2) {
+      h.wait(std::chrono::seconds(60));
+      after_first = resident_kib();
+    }
+  }
+  h.wait(std::chrono::seconds(60));
+  const int64_t after_all = resident_kib();
+  std::printf("VmRSS after 2 saves: %lld KiB, after 50 saves: %lld KiB (staging 16 MiB)\n",
+              static_cast<long long>(after_first), static_cast<long long>(after_all));
+  EXPECT_LT(after_all - after_first, 8 * 1024) << "resident memory grew over 48 saves";
+  EXPECT_EQ(ckpt.latest(), 50);
+  EXPECT_EQ(store.check({"ckpt/50/commit"}), false) << "store keys are cleaned up";
+}
+
+}  // namespace
+}  // namespace loom::ckpt
