@@ -10,6 +10,7 @@
 #include <csignal>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <mutex>
 #include <optional>
 
 #include "loom/ckpt/checkpointer.h"
@@ -149,7 +150,7 @@ struct Trainer::Impl {
                                               .keep_last = options.keep_last,
                                               .timeout = options.checkpoint_timeout});
     dp.add_state(save_state);
-    rng_buffer = at::getDefaultCPUGenerator().get_state().clone();
+    rng_buffer = at::detail::getDefaultCPUGenerator().get_state().clone();
     save_state.add("rng/cpu", rng_buffer.view({1, -1}),
                    ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
   }
@@ -174,7 +175,9 @@ struct Trainer::Impl {
     step = trainer.at("step").get<int64_t>();
     reader.restore(data::SamplerState::from_json(state.blobs.at("reader")));
     if (same_world) {
-      at::getDefaultCPUGenerator().set_state(rng);
+      at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle to the global one
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(rng);
     } else {
       rt.log().warn("resuming at world size {} from a checkpoint saved at {}: per-rank RNG streams restart "
                     "from the seed",
@@ -186,7 +189,7 @@ struct Trainer::Impl {
 
   void save(bool sync) {
     if (pending.valid()) pending.wait(options.checkpoint_timeout);
-    rng_buffer.copy_(at::getDefaultCPUGenerator().get_state());
+    rng_buffer.copy_(at::detail::getDefaultCPUGenerator().get_state());
     save_state.blobs["trainer"] = json{{"step", step}, {"skipped_steps", skipped}}.dump();
     save_state.blobs["reader"] = reader.state().to_json();
     save_state.blobs["config"] = json(rt.config().to_toml()).dump();
