@@ -25,4 +25,5 @@
 #include "loom/parallel/zero.h"
 #include "loom/runtime.h"
 #include "loom/train/schedule.h"
+#include "loom/train/trainer.h"
 #include "loom/version.h"

@@ -471,8 +471,13 @@ struct DataParallel::Impl {
       Bucket& bucket = buckets[p.bucket];
       const int64_t lo = std::max(bucket.shard_begin, p.offset);
       const int64_t hi = std::min(bucket.shard_end, p.offset + p.numel);
-      if (lo >= hi) continue;  // this rank owns none of p
       auto describe = [&](const std::string& name, const at::Tensor& shard_tensor) {
+        if (lo >= hi) {  // this rank owns none of p: an empty piece, so that every rank
+                         // describes (and a strict load asks for) every tensor
+          const int64_t at = std::clamp<int64_t>(bucket.shard_begin - p.offset, 0, p.numel);
+          fn(name, at::empty({0}, shard_tensor.options()), ckpt::Sharding::flat(p.shape, at, at));
+          return;
+        }
         const at::Tensor piece = shard_tensor.narrow(0, lo - bucket.shard_begin, hi - lo);
         if (replicated) {
           fn(name, piece.view(p.shape), ckpt::Sharding::replicated());

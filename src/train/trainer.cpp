@@ -124,7 +124,7 @@ struct Trainer::Impl {
   // The training thread's.
   std::unique_ptr<ckpt::Checkpointer> checkpointer;
   std::unique_ptr<metrics::MetricsLogger> metrics;
-  ckpt::State save_state;    // views of the live state, reused by every save
+  ckpt::State save_state;    // the last save's description (its tensors are live views)
   at::Tensor rng_buffer;     // this rank's CPU generator state, copied at each save
   ckpt::SaveHandle pending;  // the save in flight, if any
   int64_t step = 0;          // the next step's index = steps completed
@@ -149,10 +149,20 @@ struct Trainer::Impl {
                                               .world_size = rt.world_size(),
                                               .keep_last = options.keep_last,
                                               .timeout = options.checkpoint_timeout});
-    dp.add_state(save_state);
     rng_buffer = at::detail::getDefaultCPUGenerator().get_state().clone();
-    save_state.add("rng/cpu", rng_buffer.view({1, -1}),
-                   ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
+  }
+
+  // What a checkpoint holds, as views of the live state. Built anew for every save: the
+  // DataParallel's "optim" blob (the optimizer's step count) changes every step.
+  ckpt::State describe_state() {
+    ckpt::State state;
+    dp.add_state(state);
+    state.add("rng/cpu", rng_buffer.view({1, -1}),
+              ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
+    state.blobs["trainer"] = json{{"step", step}, {"skipped_steps", skipped}}.dump();
+    state.blobs["reader"] = reader.state().to_json();
+    state.blobs["config"] = json(rt.config().to_toml()).dump();
+    return state;
   }
 
   // Resumes from the newest committed checkpoint; returns whether there was one.
@@ -168,7 +178,8 @@ struct Trainer::Impl {
       state.add("rng/cpu", rng.view({1, -1}),
                 ckpt::Sharding::rows({rt.world_size(), rng.numel()}, rt.rank(), rt.rank() + 1));
     }
-    state.blobs = {{"trainer", ""}, {"reader", ""}};
+    state.blobs["trainer"] = "";
+    state.blobs["reader"] = "";
     const int64_t loaded = checkpointer->load(newest.step, state, {.strict = same_world});
     dp.load_state(state);
     const json trainer = json::parse(state.blobs.at("trainer"));
@@ -190,9 +201,7 @@ struct Trainer::Impl {
   void save(bool sync) {
     if (pending.valid()) pending.wait(options.checkpoint_timeout);
     rng_buffer.copy_(at::detail::getDefaultCPUGenerator().get_state());
-    save_state.blobs["trainer"] = json{{"step", step}, {"skipped_steps", skipped}}.dump();
-    save_state.blobs["reader"] = reader.state().to_json();
-    save_state.blobs["config"] = json(rt.config().to_toml()).dump();
+    save_state = describe_state();
     if (sync) {
       checkpointer->save_sync(step, save_state);
       metrics->on_checkpoint_committed(step);

@@ -1,0 +1,146 @@
+// train::Trainer end to end, with real processes under `loom run`: bitwise-reproducible
+// losses, a SIGKILLed run resumed from its checkpoint matching the uninterrupted run bit for
+// bit (DDP and ZeRO-2 at W = 2), resume at another world size, SIGTERM, non-finite gradients.
+// The worker is tests/programs/train_probe.cpp.
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <fstream>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "harness/harness.h"
+#include "loom/data/dataset.h"
+#include "util/files.h"
+#include "util/subprocess.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+const std::string kLoom = LOOM_BINARY_DIR "/tools/loom/loom";
+const std::string kProbe = LOOM_BINARY_DIR "/tests/loom_train_probe";
+
+class Trainer : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!LOOM_WITH_GRPC) GTEST_SKIP() << "needs `loom run` (LOOM_WITH_GRPC=ON)";
+    data::TokenDatasetWriter writer(dir_ / "data", {.vocab_size = 64});
+    std::mt19937 rng(7);
+    for (int d = 0; d < 100; ++d) {
+      std::vector<uint32_t> doc;
+      for (int i = 0; i < 60; ++i) doc.push_back(static_cast<uint32_t>((i * 7 + d) % 64 ^ (rng() % 2)));
+      writer.add_document(doc);
+    }
+    writer.finish();
+  }
+
+  // Runs the probe under `loom run` with `nproc` workers; returns the exit code and output.
+  testing::ProgramResult run(const std::string& name, int nproc, std::vector<std::string> extra) {
+    std::vector<std::string> argv = {kLoom, "run", "--nproc-per-node", std::to_string(nproc), "--max-restarts", "1",
+                                     "--run-dir", (dir_ / name).string(), "--", kProbe,
+                                     "--probe.data=" + (dir_ / "data").string(), "--run.threads=1",
+                                     "--train.checkpoint_every=4", "--train.log_every=100"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return testing::run_program(argv, dir_.path());
+  }
+
+  // step -> loss bits (hexfloat) of rank r, the last line for each step (a resumed run redoes
+  // the steps after its checkpoint), and how many lines there were.
+  std::map<int, std::string> losses(const std::string& name, int rank, int* lines = nullptr) {
+    std::ifstream in(dir_ / name / ("losses_rank" + std::to_string(rank) + ".txt"));
+    std::map<int, std::string> out;
+    int count = 0;
+    for (int step; in >> step;) {
+      in >> out[step];
+      ++count;
+    }
+    if (lines) *lines = count;
+    return out;
+  }
+
+  TempDir dir_;
+};
+
+TEST_F(Trainer, TwoRunsGiveBitwiseIdenticalLosses) {
+  auto a = run("a", 2, {"--train.steps=12"});
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = run("b", 2, {"--train.steps=12"});
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  for (int r = 0; r < 2; ++r) {
+    const auto la = losses("a", r), lb = losses("b", r);
+    ASSERT_EQ(la.size(), 12u);
+    EXPECT_EQ(la, lb) << "rank " << r;
+  }
+  EXPECT_NE(losses("a", 0), losses("a", 1)) << "ranks read different samples";
+}
+
+class TrainerResume : public Trainer, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(TrainerResume, SigkilledRunResumesBitwiseLikeTheUninterruptedRun) {
+  const std::string mode = "--probe.mode=" + GetParam();
+  auto whole = run("whole", 2, {"--train.steps=16", mode});
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  // Rank 1 SIGKILLs itself before step 10; the newest committed checkpoint then holds step 8,
+  // or step 4 when the asynchronous save of step 8 had not committed yet.
+  auto killed = run("killed", 2, {"--train.steps=16", mode, "--probe.kill_at_step=10"});
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_NE(killed.output.find("generation 1 ended"), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("resumed from checkpoint step "), std::string::npos) << killed.output;
+  for (int r = 0; r < 2; ++r) {
+    int lines = 0;
+    const auto resumed = losses("killed", r, &lines);
+    EXPECT_GT(lines, 16) << "rank " << r << ": steps after the checkpoint ran twice";
+    EXPECT_EQ(resumed, losses("whole", r)) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TrainerResume, ::testing::Values("ddp", "zero2"));
+
+TEST_F(Trainer, ResumesAtAnotherWorldSize) {
+  auto two = run("elastic", 2, {"--train.steps=8", "--probe.mode=zero2"});
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  auto one = run("elastic", 1, {"--train.steps=12", "--probe.mode=zero2"});
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_NE(one.output.find("resumed from checkpoint step 8"), std::string::npos) << one.output;
+  EXPECT_NE(one.output.find("world size 1 from a checkpoint saved at 2"), std::string::npos) << one.output;
+  EXPECT_EQ(losses("elastic", 0).size(), 12u);
+}
+
+TEST_F(Trainer, SigtermFinishesTheStepAndSaves) {
+  std::vector<std::string> argv = {kLoom, "run", "--nproc-per-node", "2", "--run-dir", (dir_ / "stop").string(),
+                                   "--", kProbe, "--probe.data=" + (dir_ / "data").string(), "--run.threads=1",
+                                   "--train.steps=100000", "--train.checkpoint_every=50", "--train.log_every=100000"};
+  auto job = util::Subprocess::spawn({.argv = argv, .output = dir_ / "stop.out"});
+  const fs::path losses_file = dir_ / "stop" / "losses_rank0.txt";
+  for (int i = 0; i < 600 && (!fs::exists(losses_file) || fs::file_size(losses_file) < 2000); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  job.signal(SIGTERM);
+  const auto status = job.wait_for(std::chrono::seconds(60));
+  ASSERT_TRUE(status.has_value());
+  const std::string output = util::read_file(dir_ / "stop.out");
+  EXPECT_EQ(status->code, 128 + SIGTERM) << output;
+  EXPECT_NE(output.find("stop requested"), std::string::npos) << output;
+  const auto done = losses("stop", 0);
+  ASSERT_FALSE(done.empty());
+  const int steps_done = done.rbegin()->first + 1;
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08d", steps_done);
+  EXPECT_TRUE(fs::exists(dir_ / "stop" / "ckpt" / name / "manifest.json")) << "no checkpoint of the last step " << name;
+}
+
+TEST_F(Trainer, NonFiniteGradientsStopNamingTheParameterOrAreSkipped) {
+  auto stop = run("nan", 1, {"--train.steps=6", "--train.lr=1e30", "--train.grad_clip=0"});
+  EXPECT_NE(stop.exit_code, 0) << stop.output;
+  EXPECT_NE(stop.output.find("first non-finite gradient on rank 0: "), std::string::npos) << stop.output;
+  auto skip = run("skip", 1, {"--train.steps=6", "--train.lr=1e30", "--train.grad_clip=0", "--train.on_non_finite=skip"});
+  EXPECT_EQ(skip.exit_code, 0) << skip.output;
+  EXPECT_NE(skip.output.find("step skipped"), std::string::npos) << skip.output;
+}
+
+}  // namespace
+}  // namespace loom
