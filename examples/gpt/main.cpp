@@ -1,11 +1,12 @@
 // GPT on the King James Bible: a decoder-only transformer (model.h) trained through
 // loom::Runtime on a BPE token dataset read by loom::data::Reader, with AdamW, a warmup +
 // cosine learning rate (loom/train/schedule.h), gradient clipping, and Loom's metrics
-// (metrics.jsonl, live progress, MFU, goodput). Every eval.every steps it measures the loss on
-// held-out text (a second dataset: chapters the training set does not have) and samples text
-// from a prompt. Single process for now: the Trainer issue makes it data-parallel.
+// (metrics.jsonl, live progress, MFU, goodput), through loom::train::Trainer with data
+// parallelism, async checkpoints and auto-resume. Every train.eval_every steps it measures the
+// loss on held-out text (a second dataset: chapters the training set does not have) and
+// samples text from a prompt.
 //
-//   gpt --config=examples/gpt/configs/tiny.toml --train.steps=600
+//   loom run --nproc-per-node 2 -- gpt --config=examples/gpt/configs/tiny.toml --train.steps=600
 // tools/run-gpt.sh builds the datasets and runs the tiny config.
 #include <loom/loom.h>
 #include <torch/torch.h>
@@ -18,23 +19,15 @@
 namespace {
 
 loom::ConfigSchema keys() {
-  loom::ConfigSchema s;
+  loom::ConfigSchema s = loom::train::TrainOptions::schema();  // train.steps, train.lr, ...
   s.add("data.train", "data/kjv-train-bpe", "training token dataset (loom data build text)");
   s.add("data.val", "data/kjv-val-bpe", "held-out token dataset, same tokenizer");
   s.add("model.n_layer", 4, "transformer blocks (L)");
   s.add("model.n_head", 4, "attention heads per block (H)");
   s.add("model.n_embd", 128, "model width C = H * head dim");
   s.add("model.seq_len", 128, "context length T in tokens");
-  s.add("train.batch_size", 16, "sequences per step");
-  s.add("train.steps", 400, "optimizer steps");
-  s.add("train.lr", 1e-3, "peak learning rate (AdamW)");
-  s.add("train.min_lr", 1e-4, "learning rate at the end of the cosine decay");
-  s.add("train.warmup_steps", 40, "linear warmup steps");
-  s.add("train.weight_decay", 0.1, "AdamW weight decay on matrices (not biases, LayerNorms)");
-  s.add("train.grad_clip", 1.0, "clip the global gradient norm to this; 0 = no clipping");
-  s.add("train.log_every", 20, "steps between progress log lines (when not on a terminal)");
-  s.add("eval.every", 100,
-        "steps between held-out evaluations and samples; 0 = only at the start and the end");
+  s.add("train.batch_size", 16, "sequences per step, over all ranks");
+  s.add("train.weight_decay", 0.1, "AdamW weight decay");
   s.add("eval.batches", 8, "held-out batches of train.batch_size sequences per evaluation");
   s.add("sample.prompt", "And God said", "text the samples start from");
   s.add("sample.tokens", 48, "tokens to generate per sample");
@@ -89,34 +82,22 @@ double held_out_loss(gpt::Gpt& model, const loom::data::Reader& val, int64_t bat
   return total / static_cast<double>(std::max<int64_t>(counted, 1));
 }
 
-void set_lr(torch::optim::Optimizer& optimizer, double lr) {
-  for (auto& group : optimizer.param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  }
-}
-
 void train(loom::Runtime& rt) {
-  namespace metrics = loom::metrics;
   const loom::Config& cfg = rt.config();
-  LOOM_CHECK(rt.world_size() == 1, loom::InvalidArgument,
-             "the gpt example is single-process until the Trainer (DDP) lands; world size is ",
-             rt.world_size());
-  const int64_t batch = cfg.get<int64_t>("train.batch_size");
-  const int64_t steps = cfg.get<int64_t>("train.steps");
-  const int64_t eval_every = cfg.get<int64_t>("eval.every");
+  const int64_t global_batch = cfg.get<int64_t>("train.batch_size");
+  LOOM_CHECK(global_batch > 0 && global_batch % rt.world_size() == 0, loom::ConfigError,
+             "train.batch_size (", global_batch, ") must be a positive multiple of the world size (",
+             rt.world_size(), ")");
+  const int64_t batch = global_batch / rt.world_size();
   const int64_t eval_batches = cfg.get<int64_t>("eval.batches");
   gpt::GptConfig model_cfg{.seq_len = cfg.get<int64_t>("model.seq_len"),
                            .n_layer = cfg.get<int64_t>("model.n_layer"),
                            .n_head = cfg.get<int64_t>("model.n_head"),
                            .n_embd = cfg.get<int64_t>("model.n_embd")};
-  LOOM_CHECK(batch > 0 && steps > 0, loom::ConfigError,
-             "train.batch_size and train.steps must be positive");
 
   const std::string train_dir = cfg.get<std::string>("data.train");
-  auto reader = rt.open_dataset(
-      train_dir, {.batch_size = batch, .seq_len = model_cfg.seq_len, .seed = rt.seed()});
-  const loom::data::Reader val(cfg.get<std::string>("data.val"),
-                               {.seq_len = model_cfg.seq_len, .prefetch = 0});
+  auto reader = rt.open_dataset(train_dir, {.batch_size = batch, .seq_len = model_cfg.seq_len, .seed = rt.seed()});
+  const loom::data::Reader val(cfg.get<std::string>("data.val"), {.seq_len = model_cfg.seq_len, .prefetch = 0});
   LOOM_CHECK(val.manifest().vocab_size == reader->manifest().vocab_size, loom::ConfigError,
              "data.val has vocabulary size ", val.manifest().vocab_size, " but data.train ",
              reader->manifest().vocab_size, ": build it with --tokenizer of the training set");
@@ -127,117 +108,68 @@ void train(loom::Runtime& rt) {
   model->to(rt.device());
   rt.log().info(
       "GPT: {} layers, {} heads, width {}, context {}, vocab {}: {:.2f}M parameters, "
-      "{:.2f} MFLOP/token; train {} ({} tokens, {} sequences), held out {} ({} sequences)",
-      model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd, model_cfg.seq_len,
-      model_cfg.vocab_size, model->num_params() / 1e6, model->flops_per_token() / 1e6, train_dir,
-      reader->manifest().total_items(), reader->num_samples(), cfg.get<std::string>("data.val"),
-      val.num_samples());
+      "{:.2f} MFLOP/token; train {} ({} tokens, {} sequences), held out {} ({} sequences); "
+      "{} sequences per step on {} rank(s)",
+      model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd, model_cfg.seq_len, model_cfg.vocab_size,
+      model->num_params() / 1e6, model->flops_per_token() / 1e6, train_dir, reader->manifest().total_items(),
+      reader->num_samples(), cfg.get<std::string>("data.val"), val.num_samples(), global_batch, rt.world_size());
 
-  // AdamW: weight decay on matrices only (GPT-2/nanoGPT practice).
-  std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  const double weight_decay = cfg.get<double>("train.weight_decay");
-  auto options = [&](double wd) {
-    return std::make_unique<torch::optim::AdamWOptions>(
-        torch::optim::AdamWOptions(cfg.get<double>("train.lr"))
-            .betas({0.9, 0.95})
-            .weight_decay(wd));
-  };
-  torch::optim::AdamW optimizer({torch::optim::OptimizerParamGroup(decay, options(weight_decay)),
-                                 torch::optim::OptimizerParamGroup(no_decay, options(0.0))});
-  const auto schedule = loom::train::Schedule::warmup_cosine(
-      {.lr = cfg.get<double>("train.lr"),
-       .min_lr = cfg.get<double>("train.min_lr"),
-       .warmup_steps = std::min(cfg.get<int64_t>("train.warmup_steps"), steps),
-       .total_steps = steps});
-  const double grad_clip = cfg.get<double>("train.grad_clip");
+  // Data parallelism with Loom's AdamW (betas 0.9/0.95, GPT-2/nanoGPT practice). Its weight
+  // decay applies to every parameter, LayerNorms and biases included.
+  loom::parallel::DataParallel dp(model.ptr(), rt.world_group());
+  dp.set_optimizer(std::make_unique<loom::optim::AdamW>(loom::optim::AdamWOptions{
+      .lr = cfg.get<double>("train.lr"), .beta2 = 0.95, .weight_decay = cfg.get<double>("train.weight_decay")}));
+  at::manual_seed(rt.rank_seed());
 
-  const metrics::PeakFlops peak = metrics::peak_flops(rt.device());
-  rt.log().info("lr {}; peak {:.1f} GFLOP/s ({}, {} threads)", schedule.describe(),
-                peak.flops_per_second / 1e9, peak.source, rt.threads());
-  metrics::MetricsLogger log(rt, {.flops_per_token = model->flops_per_token(),
-                                  .peak = peak,
-                                  .log_every = cfg.get<int64_t>("train.log_every")});
-  log.on_resume(0);
+  loom::train::TrainOptions options = loom::train::TrainOptions::from(cfg);
+  options.flops_per_token = model->flops_per_token();
+  if (options.eval_every == 0) options.eval_every = options.steps;
 
   std::mt19937_64 sample_rng(rt.seed());
   const std::vector<int64_t> prompt = encode_prompt(vocab, cfg.get<std::string>("sample.prompt"));
   nlohmann::json curve = nlohmann::json::array();
-  auto evaluate = [&](int64_t step, double train_loss) {
-    log.clear_progress_line();
+  // Held-out loss and a sample, on rank 0 (the others go on to the next step's collectives).
+  auto evaluate = [&](int64_t steps_done) {
+    if (!rt.is_main()) return;
     const double loss = held_out_loss(model, val, batch, eval_batches);
-    if (step == 0) {
-      rt.log().info("step 0: held-out loss {:.4f} (untrained; ln(vocab) = {:.4f})", loss,
-                    std::log(static_cast<double>(model_cfg.vocab_size)));
-      curve.push_back({{"step", 0}, {"val_loss", loss}, {"train_loss", nullptr}});
-    } else {
-      rt.log().info("step {}: held-out loss {:.4f} (train loss, smoothed {:.4f})", step, loss,
-                    train_loss);
-      curve.push_back({{"step", step}, {"val_loss", loss}, {"train_loss", train_loss}});
-    }
+    rt.log().info("step {}: held-out loss {:.4f}{}", steps_done, loss,
+                  steps_done == 0 ? fmt::format(" (untrained; ln(vocab) = {:.4f})",
+                                                std::log(static_cast<double>(model_cfg.vocab_size)))
+                                  : "");
+    curve.push_back({{"step", steps_done}, {"val_loss", loss}});
     if (!prompt.empty()) {
-      auto ids = model->generate(prompt, cfg.get<int64_t>("sample.tokens"),
-                                 cfg.get<int64_t>("sample.top_k"),
+      torch::NoGradGuard no_grad;
+      model->eval();
+      auto ids = model->generate(prompt, cfg.get<int64_t>("sample.tokens"), cfg.get<int64_t>("sample.top_k"),
                                  cfg.get<double>("sample.temperature"), sample_rng);
+      model->train();
       rt.log().info("sample: {}", vocab.decode(ids));
     }
   };
 
+  loom::train::Trainer trainer(
+      rt, dp, *reader, options,
+      [&](const loom::data::Batch& b) {
+        const at::Tensor tokens = b["tokens"].to(rt.device());
+        const at::Tensor loss = model->loss(tokens.slice(1, 0, -1), tokens.slice(1, 1));
+        return loom::train::MicroStep{loss, tokens.size(0) * model_cfg.seq_len, tokens.size(0)};
+      },
+      {.on_eval = [&](int64_t step) { evaluate(step + 1); }});
+  evaluate(0);
   const auto start = std::chrono::steady_clock::now();
-  double smoothed_loss = 0;
-  for (int64_t step = 0; step < steps; ++step) {
-    if (step == 0 || (eval_every > 0 && step % eval_every == 0)) evaluate(step, smoothed_loss);
-    metrics::StepTimer& timer = log.timer();
-    timer.begin_step();
-    at::Tensor tokens;
-    uint64_t epoch = 0;
-    {
-      auto phase = timer.phase(metrics::Phase::kDataWait);
-      loom::data::Batch b = reader->next();
-      tokens = b["tokens"].to(rt.device());
-      epoch = b.epoch;
-    }
-    at::Tensor loss;
-    {
-      auto phase = timer.phase(metrics::Phase::kForwardBackward);
-      loss = model->loss(tokens.slice(1, 0, -1), tokens.slice(1, 1));
-      optimizer.zero_grad();
-      loss.backward();
-    }
-    std::optional<double> grad_norm;
-    const double lr = schedule(step);
-    {
-      auto phase = timer.phase(metrics::Phase::kOptimizer);
-      if (grad_clip > 0)
-        grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), grad_clip);
-      set_lr(optimizer, lr);
-      optimizer.step();
-    }
-    const double loss_value = loss.item<double>();
-    smoothed_loss = step == 0 ? loss_value : 0.95 * smoothed_loss + 0.05 * loss_value;
-    log.log_step({.step = step,
-                  .epoch = static_cast<int64_t>(epoch),
-                  .loss = loss_value,
-                  .lr = lr,
-                  .grad_norm = grad_norm,
-                  .tokens = batch * model_cfg.seq_len,
-                  .samples = batch});
-  }
-  evaluate(steps, smoothed_loss);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const metrics::GoodputReport goodput = log.goodput().report();
-  rt.log().info("result: held-out loss {:.4f} after {} steps in {:.1f} s (goodput {:.1f}%)",
-                curve.back()["val_loss"].get<double>(), steps, seconds, 100 * goodput.goodput);
-  if (rt.is_main()) {
-    const nlohmann::json result = {{"steps", steps},
-                                   {"train_seconds", seconds},
-                                   {"params", model->num_params()},
-                                   {"flops_per_token", model->flops_per_token()},
-                                   {"peak_flops", peak.flops_per_second},
-                                   {"peak_source", peak.source},
-                                   {"curve", curve}};
-    std::ofstream(rt.run_dir() / "result.json") << result.dump(1) << "\n";
+  const loom::train::FitResult result = trainer.fit();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (rt.is_main() && !curve.empty()) {
+    rt.log().info("result: held-out loss {:.4f} after steps {}..{} in {:.1f} s on {} rank(s)",
+                  curve.back()["val_loss"].get<double>(), result.start_step, result.steps_done, seconds,
+                  rt.world_size());
+    const nlohmann::json out = {{"steps", result.steps_done},
+                                {"train_seconds", seconds},
+                                {"world_size", rt.world_size()},
+                                {"params", model->num_params()},
+                                {"flops_per_token", model->flops_per_token()},
+                                {"curve", curve}};
+    std::ofstream(rt.run_dir() / "result.json") << out.dump(1) << "\n";
   }
 }
 
