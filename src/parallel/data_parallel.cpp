@@ -250,7 +250,8 @@ struct DataParallel::Impl {
     }
     torch::NoGradGuard no_grad;
     for (at::Tensor buffer : module->buffers(/*recurse=*/true)) {
-      at::Tensor contiguous = buffer.contiguous();
+      // Collectives carry no bool: a bool buffer (e.g. a causal mask) travels as its bytes.
+      at::Tensor contiguous = buffer.scalar_type() == at::kBool ? buffer.to(at::kByte) : buffer.contiguous();
       group.broadcast(contiguous, {.root = 0, .timeout = timeout})->wait(remaining(deadline));
       if (!contiguous.is_same(buffer)) buffer.copy_(contiguous);
     }

@@ -313,3 +313,28 @@ TEST(DataParallel, OptimizerStateShrinksWithTheWorld) {
 
 }  // namespace
 }  // namespace loom::parallel
+
+namespace loom::parallel {
+namespace {
+
+// A module with a bool buffer (like a causal mask): rank 0's value reaches every rank.
+struct MaskedImpl : torch::nn::Module {
+  MaskedImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {
+    mask = register_buffer("mask", torch::zeros({4, 4}, torch::kBool));
+  }
+  torch::nn::Linear fc;
+  torch::Tensor mask;
+};
+
+TEST(DataParallelBuffers, BoolBuffersAreBroadcastFromRankZero) {
+  testing::expect_all_ok(testing::run_threads(2, [](testing::Rank& r) {
+    auto group = comm::new_gloo_group(r.store, r.rank, r.world);
+    auto module = std::make_shared<MaskedImpl>();
+    if (r.rank == 0) module->mask.fill_(true);
+    DataParallel dp(module, *group);
+    EXPECT_TRUE(module->mask.all().item<bool>()) << "rank " << r.rank;
+  }));
+}
+
+}  // namespace
+}  // namespace loom::parallel
