@@ -52,14 +52,15 @@ void prepare(const Settings& s, const fs::path& work) {
   if (!fs::exists(work / "kjv" / "manifest.json")) {
     fs::remove_all(work / "kjv");
     run_or_throw({"bible", "gen1:1-rev22:21"}, work / "kjv.txt");
-    run_or_throw({loom_tool, "data", "build", "text", "--input", (work / "kjv.txt").string(), "--vocab-size", "4096",
-                  "--out", (work / "kjv").string()},
+    run_or_throw({loom_tool, "data", "build", "text", "--input", (work / "kjv.txt").string(),
+                  "--vocab-size", "4096", "--out", (work / "kjv").string()},
                  work / "build.log");
   }
   if (!fs::exists(work / "fashion" / "manifest.json")) {
     fs::remove_all(work / "fashion");
-    run_or_throw({loom_tool, "data", "build", "fashion-mnist", "--out", (work / "fashion").string()},
-                 work / "build.log");
+    run_or_throw(
+        {loom_tool, "data", "build", "fashion-mnist", "--out", (work / "fashion").string()},
+        work / "build.log");
   }
   if (!fs::exists(work / "fashion-images.u8")) {  // the same images as raw arrays for numpy
     loom::data::Reader reader(work / "fashion", {});
@@ -75,7 +76,8 @@ void prepare(const Settings& s, const fs::path& work) {
 }
 
 // Samples per second of `world` readers (one thread each, as ranks), each with prefetch.
-double reader_rate(const fs::path& ds, loom::data::ReaderOptions options, int world, double seconds) {
+double reader_rate(const fs::path& ds, loom::data::ReaderOptions options, int world,
+                   double seconds) {
   std::atomic<uint64_t> samples{0};
   std::atomic<bool> stop{false};
   std::vector<std::thread> ranks;
@@ -86,7 +88,8 @@ double reader_rate(const fs::path& ds, loom::data::ReaderOptions options, int wo
       options.world_size = world;
       loom::data::Reader reader(ds, options);
       uint64_t n = 0;
-      while (!stop.load(std::memory_order_relaxed)) n += static_cast<uint64_t>(reader.next().num_real);
+      while (!stop.load(std::memory_order_relaxed))
+        n += static_cast<uint64_t>(reader.next().num_real);
       samples += n;
     });
   }
@@ -104,7 +107,8 @@ double token_limit_rate(const fs::path& ds, const Settings& s) {
   loom::util::MappedFile file(ds / m.shards[0].file);
   const auto* tokens = reinterpret_cast<const uint16_t*>(file.data() + 64);
   const uint64_t n = (m.shards[0].items - 1) / static_cast<uint64_t>(s.seq_len);
-  loom::data::GlobalSampler sampler({.num_samples = n, .per_rank_batch = static_cast<uint64_t>(s.token_batch)});
+  loom::data::GlobalSampler sampler(
+      {.num_samples = n, .per_rank_batch = static_cast<uint64_t>(s.token_batch)});
   std::vector<int64_t> out(static_cast<size_t>(s.token_batch * (s.seq_len + 1)));
   uint64_t samples = 0;
   int64_t checksum = 0;
@@ -128,8 +132,8 @@ double token_limit_rate(const fs::path& ds, const Settings& s) {
 double record_limit_rate(const fs::path& ds, const Settings& s) {
   const loom::data::Manifest m = loom::data::read_manifest(ds);
   loom::data::format::RecordShard shard(ds, m.shards.at(0));
-  loom::data::GlobalSampler sampler(
-      {.num_samples = shard.num_records(), .per_rank_batch = static_cast<uint64_t>(s.record_batch)});
+  loom::data::GlobalSampler sampler({.num_samples = shard.num_records(),
+                                     .per_rank_batch = static_cast<uint64_t>(s.record_batch)});
   std::vector<uint8_t> images(static_cast<size_t>(s.record_batch) * 784);
   std::vector<int64_t> labels(static_cast<size_t>(s.record_batch));
   uint64_t samples = 0;
@@ -186,21 +190,23 @@ while True:
 )PY";
 
 // Samples per second of the Python DataLoader, or 0 when Python or torch is missing.
-double dataloader_rate(const Settings& s, const fs::path& work, const std::string& kind, const std::string& path,
-                       int workers, int64_t batch) {
+double dataloader_rate(const Settings& s, const fs::path& work, const std::string& kind,
+                       const std::string& path, int workers, int64_t batch) {
   const fs::path script = work / "loader.py";
   std::ofstream(script) << kPythonLoader;
   const fs::path out = work / "loader.out";
   fs::remove(out);
-  auto status = loom::util::Subprocess::spawn({.argv = {s.python, script.string(), kind, path, std::to_string(workers),
-                                                        std::to_string(batch), std::to_string(s.seq_len),
-                                                        std::to_string(s.seconds)},
-                                               .output = out})
-                    .wait();
+  auto status =
+      loom::util::Subprocess::spawn(
+          {.argv = {s.python, script.string(), kind, path, std::to_string(workers),
+                    std::to_string(batch), std::to_string(s.seq_len), std::to_string(s.seconds)},
+           .output = out})
+          .wait();
   std::ifstream in(out);
   std::string text((std::istreambuf_iterator<char>(in)), {});
   if (!status.ok()) {
-    std::cerr << "bench_data: the Python DataLoader run failed (" << status.describe() << "): " << text << "\n";
+    std::cerr << "bench_data: the Python DataLoader run failed (" << status.describe()
+              << "): " << text << "\n";
     return 0;
   }
   return std::stod(text);
@@ -210,8 +216,8 @@ void report(const Settings& s, Row row) {
   if (s.json) {
     loom::bench::print_json(row);
   } else {
-    std::printf("%-30s %14.0f %14.0f  %-34s %6.2fx  %s\n", row.case_name.c_str(), row.loom, row.baseline,
-                row.baseline_name.c_str(), row.ratio, row.unit.c_str());
+    std::printf("%-30s %14.0f %14.0f  %-34s %6.2fx  %s\n", row.case_name.c_str(), row.loom,
+                row.baseline, row.baseline_name.c_str(), row.ratio, row.unit.c_str());
   }
   std::fflush(stdout);
 }
@@ -226,32 +232,43 @@ double restore_seconds(loom::data::Reader& reader, uint64_t position) {
 }
 
 int run(const Settings& s) {
-  const fs::path work = s.work_dir.empty() ? fs::temp_directory_path() / "loom-bench-data" : fs::path(s.work_dir);
+  const fs::path work =
+      s.work_dir.empty() ? fs::temp_directory_path() / "loom-bench-data" : fs::path(s.work_dir);
   prepare(s, work);
   if (!s.json) {
-    std::printf("%-30s %14s %14s  %-34s %7s  %s\n", "case", "loom", "baseline", "baseline", "ratio", "unit");
+    std::printf("%-30s %14s %14s  %-34s %7s  %s\n", "case", "loom", "baseline", "baseline", "ratio",
+                "unit");
   }
   const fs::path kjv = work / "kjv";
-  const auto token_options = loom::data::ReaderOptions{.batch_size = s.token_batch, .seq_len = s.seq_len, .prefetch = 4};
+  const auto token_options =
+      loom::data::ReaderOptions{.batch_size = s.token_batch, .seq_len = s.seq_len, .prefetch = 4};
   const double tokens_per_sample = static_cast<double>(s.seq_len);
   const double limit_tokens = token_limit_rate(kjv, s) * tokens_per_sample;
   double loom_tokens_w1 = 0;
   for (int world : {1, 2}) {
     const double rate = reader_rate(kjv, token_options, world, s.seconds) * tokens_per_sample;
     if (world == 1) loom_tokens_w1 = rate;
-    report(s, {"data", "tokens/W" + std::to_string(world) + "/T" + std::to_string(s.seq_len), rate, limit_tokens,
-               "limit: 1-thread gather from mmap", "tokens/s", rate / limit_tokens});
+    report(s, {"data", "tokens/W" + std::to_string(world) + "/T" + std::to_string(s.seq_len), rate,
+               limit_tokens, "limit: 1-thread gather from mmap", "tokens/s", rate / limit_tokens});
   }
   const std::string shard = (kjv / "tokens_00000.bin").string();
-  const double dl0 = dataloader_rate(s, work, "tokens", shard, 0, s.token_batch) * tokens_per_sample;
-  const double dl2 = dataloader_rate(s, work, "tokens", shard, 2, s.token_batch) * tokens_per_sample;
+  const double dl0 =
+      dataloader_rate(s, work, "tokens", shard, 0, s.token_batch) * tokens_per_sample;
+  const double dl2 =
+      dataloader_rate(s, work, "tokens", shard, 2, s.token_batch) * tokens_per_sample;
   const double best_dl = std::max(dl0, dl2);
-  report(s, {"data", "tokens/W1/vs-dataloader", loom_tokens_w1, best_dl,
-             dl2 >= dl0 ? "DataLoader num_workers=2" : "DataLoader num_workers=0", "tokens/s",
-             best_dl > 0 ? loom_tokens_w1 / best_dl : 0, {{"dataloader_w0", dl0}, {"dataloader_w2", dl2}}});
+  report(s, {"data",
+             "tokens/W1/vs-dataloader",
+             loom_tokens_w1,
+             best_dl,
+             dl2 >= dl0 ? "DataLoader num_workers=2" : "DataLoader num_workers=0",
+             "tokens/s",
+             best_dl > 0 ? loom_tokens_w1 / best_dl : 0,
+             {{"dataloader_w0", dl0}, {"dataloader_w2", dl2}}});
 
   const fs::path fashion = work / "fashion";
-  const auto record_options = loom::data::ReaderOptions{.batch_size = s.record_batch, .prefetch = 4};
+  const auto record_options =
+      loom::data::ReaderOptions{.batch_size = s.record_batch, .prefetch = 4};
   const double limit_records = record_limit_rate(fashion, s);
   double loom_records_w1 = 0;
   for (int world : {1, 2}) {
@@ -260,25 +277,35 @@ int run(const Settings& s) {
     report(s, {"data", "fashion-mnist/W" + std::to_string(world), rate, limit_records,
                "limit: 1-thread gather from mmap", "samples/s", rate / limit_records});
   }
-  const double rdl0 = dataloader_rate(s, work, "images", (work / "fashion").string(), 0, s.record_batch);
-  const double rdl2 = dataloader_rate(s, work, "images", (work / "fashion").string(), 2, s.record_batch);
+  const double rdl0 =
+      dataloader_rate(s, work, "images", (work / "fashion").string(), 0, s.record_batch);
+  const double rdl2 =
+      dataloader_rate(s, work, "images", (work / "fashion").string(), 2, s.record_batch);
   const double best_rdl = std::max(rdl0, rdl2);
-  report(s, {"data", "fashion-mnist/W1/vs-dataloader", loom_records_w1, best_rdl,
-             rdl2 >= rdl0 ? "DataLoader num_workers=2" : "DataLoader num_workers=0", "samples/s",
-             best_rdl > 0 ? loom_records_w1 / best_rdl : 0, {{"dataloader_w0", rdl0}, {"dataloader_w2", rdl2}}});
+  report(s, {"data",
+             "fashion-mnist/W1/vs-dataloader",
+             loom_records_w1,
+             best_rdl,
+             rdl2 >= rdl0 ? "DataLoader num_workers=2" : "DataLoader num_workers=0",
+             "samples/s",
+             best_rdl > 0 ? loom_records_w1 / best_rdl : 0,
+             {{"dataloader_w0", rdl0}, {"dataloader_w2", rdl2}}});
 
   // restore() is O(1): the same cost at the start of an epoch and deep into one. The second
   // case uses a sampler over 2^40 samples (no dataset here is that big) at position 10^9.
-  loom::data::Reader reader(kjv, {.batch_size = s.token_batch, .seq_len = s.seq_len, .prefetch = 0});
+  loom::data::Reader reader(kjv,
+                            {.batch_size = s.token_batch, .seq_len = s.seq_len, .prefetch = 0});
   double at0 = 1e9, at_end = 1e9;
-  const uint64_t last = (reader.num_samples() / static_cast<uint64_t>(s.token_batch) - 1) * static_cast<uint64_t>(s.token_batch);
+  const uint64_t last = (reader.num_samples() / static_cast<uint64_t>(s.token_batch) - 1) *
+                        static_cast<uint64_t>(s.token_batch);
   for (int i = 0; i < 50; ++i) {
     at0 = std::min(at0, restore_seconds(reader, 0));
     at_end = std::min(at_end, restore_seconds(reader, last));
   }
-  report(s, {"data", "restore+next/kjv/end-of-epoch", at_end * 1e6, at0 * 1e6, "the same at position 0", "us",
-             at0 / at_end});
-  loom::data::GlobalSampler big({.num_samples = uint64_t{1} << 40, .per_rank_batch = static_cast<uint64_t>(s.token_batch)});
+  report(s, {"data", "restore+next/kjv/end-of-epoch", at_end * 1e6, at0 * 1e6,
+             "the same at position 0", "us", at0 / at_end});
+  loom::data::GlobalSampler big(
+      {.num_samples = uint64_t{1} << 40, .per_rank_batch = static_cast<uint64_t>(s.token_batch)});
   double big0 = 1e9, big9 = 1e9;
   for (int i = 0; i < 50; ++i) {
     for (uint64_t position : {uint64_t{0}, uint64_t{1000000000}}) {
@@ -288,8 +315,8 @@ int run(const Settings& s) {
       (position == 0 ? big0 : big9) = std::min(position == 0 ? big0 : big9, seconds_since(start));
     }
   }
-  report(s, {"data", "restore+next/2^40-samples/at-1e9", big9 * 1e6, big0 * 1e6, "the same at position 0", "us",
-             big0 / big9});
+  report(s, {"data", "restore+next/2^40-samples/at-1e9", big9 * 1e6, big0 * 1e6,
+             "the same at position 0", "us", big0 / big9});
   return 0;
 }
 
@@ -299,11 +326,15 @@ int main(int argc, char** argv) {
   Settings s;
   CLI::App app{"bench_data: data::Reader beside a raw mmap gather loop and PyTorch's DataLoader"};
   app.add_option("--seq-len", s.seq_len, "tokens per sample (T)")->capture_default_str();
-  app.add_option("--token-batch", s.token_batch, "token samples per rank per step")->capture_default_str();
-  app.add_option("--record-batch", s.record_batch, "Fashion-MNIST samples per rank per step")->capture_default_str();
+  app.add_option("--token-batch", s.token_batch, "token samples per rank per step")
+      ->capture_default_str();
+  app.add_option("--record-batch", s.record_batch, "Fashion-MNIST samples per rank per step")
+      ->capture_default_str();
   app.add_option("--seconds", s.seconds, "seconds per measurement")->capture_default_str();
-  app.add_option("--python", s.python, "the Python with torch for the DataLoader peer")->capture_default_str();
-  app.add_option("--work-dir", s.work_dir, "where the datasets are built (kept; default $TMPDIR/loom-bench-data)");
+  app.add_option("--python", s.python, "the Python with torch for the DataLoader peer")
+      ->capture_default_str();
+  app.add_option("--work-dir", s.work_dir,
+                 "where the datasets are built (kept; default $TMPDIR/loom-bench-data)");
   app.add_flag("--json", s.json, "print one JSON object per row");
   CLI11_PARSE(app, argc, argv);
   try {

@@ -201,13 +201,13 @@ Runtime Runtime::init(const Config& config, const Topology& topology, bool confi
                      impl->device.str(), impl->threads, impl->seed);
   if (topology.generation > 0 && !topology.coordinator.empty()) {
     Impl* raw = impl.get();
-    impl->heartbeat = std::make_unique<control::Heartbeat>(control::HeartbeatOptions{
-        .address = topology.coordinator,
-        .token = topology.job_token,
-        .rank = topology.rank,
-        .generation = topology.generation,
-        .on_flight_dump = [raw] { raw->dump_flight(); },
-        .log = impl->logger});
+    impl->heartbeat = std::make_unique<control::Heartbeat>(
+        control::HeartbeatOptions{.address = topology.coordinator,
+                                  .token = topology.job_token,
+                                  .rank = topology.rank,
+                                  .generation = topology.generation,
+                                  .on_flight_dump = [raw] { raw->dump_flight(); },
+                                  .log = impl->logger});
   }
   return Runtime(std::move(impl));
 }
@@ -256,7 +256,8 @@ comm::Store& Runtime::store() const {
   const std::string store_dir = env_str("LOOM_STORE_DIR");
   if (t.generation > 0 && !t.coordinator.empty()) {
     impl.base_store = std::make_unique<control::CoordinatorStore>(t.coordinator, t.job_token);
-    impl.store = std::make_unique<comm::PrefixStore>(detail::concat("gen", t.generation), *impl.base_store);
+    impl.store =
+        std::make_unique<comm::PrefixStore>(detail::concat("gen", t.generation), *impl.base_store);
   } else if (!store_dir.empty()) {
     impl.store = std::make_unique<comm::FileStore>(store_dir);
   } else {
@@ -276,9 +277,11 @@ comm::Group& Runtime::world_group() const {
     const Topology& t = impl.topology;
     if (impl.device.is_cuda()) {
       impl.world_group = comm::new_nccl_group(
-          s, t.rank, t.world_size, {.device = impl.device.index(), .flight_dump_dir = impl.run_dir / "flight"});
+          s, t.rank, t.world_size,
+          {.device = impl.device.index(), .flight_dump_dir = impl.run_dir / "flight"});
     } else {
-      impl.world_group = comm::new_gloo_group(s, t.rank, t.world_size, {.flight_dump_dir = impl.run_dir / "flight"});
+      impl.world_group = comm::new_gloo_group(s, t.rank, t.world_size,
+                                              {.flight_dump_dir = impl.run_dir / "flight"});
     }
   }
   return *impl.world_group;
@@ -289,7 +292,7 @@ void Runtime::report_progress(int64_t step, double throughput, const std::string
 }
 
 std::unique_ptr<data::Reader> Runtime::open_dataset(const std::filesystem::path& dir,
-                                                   data::ReaderOptions options) const {
+                                                    data::ReaderOptions options) const {
   options.rank = rank();
   options.world_size = world_size();
   return std::make_unique<data::Reader>(dir, options);

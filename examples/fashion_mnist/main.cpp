@@ -18,9 +18,10 @@ namespace {
 // published 2-conv baseline's shape (0.916 test accuracy).
 struct NetImpl : torch::nn::Module {
   NetImpl(int64_t width, int64_t hidden, double dropout)
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, width, 5).padding(2)))),
-        conv2(register_module("conv2",
-                              torch::nn::Conv2d(torch::nn::Conv2dOptions(width, 2 * width, 5).padding(2)))),
+      : conv1(register_module("conv1",
+                              torch::nn::Conv2d(torch::nn::Conv2dOptions(1, width, 5).padding(2)))),
+        conv2(register_module(
+            "conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(width, 2 * width, 5).padding(2)))),
         fc1(register_module("fc1", torch::nn::Linear(2 * width * 7 * 7, hidden))),
         fc2(register_module("fc2", torch::nn::Linear(hidden, 10))),
         dropout(dropout) {}
@@ -41,7 +42,8 @@ TORCH_MODULE(Net);
 loom::ConfigSchema keys() {
   loom::ConfigSchema s = loom::train::TrainOptions::schema();
   s.add("data.train", "data/fashion-mnist-train", "training set (loom data build fashion-mnist)");
-  s.add("data.test", "data/fashion-mnist-test", "test set (loom data build fashion-mnist --split test)");
+  s.add("data.test", "data/fashion-mnist-test",
+        "test set (loom data build fashion-mnist --split test)");
   s.add("model.width", 16, "channels of the first convolution; the second has twice as many");
   s.add("model.hidden", 128, "units of the hidden layer");
   s.add("model.dropout", 0.25, "dropout before the classifier");
@@ -61,13 +63,16 @@ double accuracy(loom::Runtime& rt, Net& net, const loom::data::Reader& test, int
   torch::NoGradGuard no_grad;
   net->eval();
   const int64_t n = static_cast<int64_t>(test.num_samples());
-  const int64_t begin = n * rt.rank() / rt.world_size(), end = n * (rt.rank() + 1) / rt.world_size();
+  const int64_t begin = n * rt.rank() / rt.world_size(),
+                end = n * (rt.rank() + 1) / rt.world_size();
   int64_t correct = 0;
   for (int64_t at = begin; at < end; at += batch_size) {
     std::vector<uint64_t> indices;
-    for (int64_t i = at; i < std::min(at + batch_size, end); ++i) indices.push_back(static_cast<uint64_t>(i));
+    for (int64_t i = at; i < std::min(at + batch_size, end); ++i)
+      indices.push_back(static_cast<uint64_t>(i));
     const loom::data::Batch batch = test.read(indices);
-    correct += net->forward(normalise(batch["image"])).argmax(1).eq(batch["label"]).sum().item<int64_t>();
+    correct +=
+        net->forward(normalise(batch["image"])).argmax(1).eq(batch["label"]).sum().item<int64_t>();
   }
   net->train();
   torch::Tensor total = torch::tensor({static_cast<double>(correct)}, torch::kDouble);
@@ -79,28 +84,34 @@ void train(loom::Runtime& rt) {
   const loom::Config& cfg = rt.config();
   const int64_t global_batch = cfg.get<int64_t>("train.batch_size");
   LOOM_CHECK(global_batch > 0 && global_batch % rt.world_size() == 0, loom::ConfigError,
-             "train.batch_size (", global_batch, ") must be a positive multiple of the world size (",
-             rt.world_size(), ")");
+             "train.batch_size (", global_batch,
+             ") must be a positive multiple of the world size (", rt.world_size(), ")");
   auto train_set =
-      rt.open_dataset(cfg.get<std::string>("data.train"), {.batch_size = global_batch / rt.world_size(), .seed = rt.seed()});
+      rt.open_dataset(cfg.get<std::string>("data.train"),
+                      {.batch_size = global_batch / rt.world_size(), .seed = rt.seed()});
   const loom::data::Reader test_set(cfg.get<std::string>("data.test"), {});
-  rt.log().info("Fashion-MNIST: {} training images (dataset {}), {} test images, {} per step on {} rank(s)",
-                train_set->num_samples(), train_set->manifest().version, test_set.num_samples(), global_batch,
-                rt.world_size());
+  rt.log().info(
+      "Fashion-MNIST: {} training images (dataset {}), {} test images, {} per step on {} rank(s)",
+      train_set->num_samples(), train_set->manifest().version, test_set.num_samples(), global_batch,
+      rt.world_size());
 
-  Net net(cfg.get<int>("model.width"), cfg.get<int>("model.hidden"), cfg.get<double>("model.dropout"));
+  Net net(cfg.get<int>("model.width"), cfg.get<int>("model.hidden"),
+          cfg.get<double>("model.dropout"));
   loom::parallel::DataParallel dp(net.ptr(), rt.world_group());
   dp.set_optimizer(std::make_unique<loom::optim::AdamW>(
       loom::optim::AdamWOptions{.lr = cfg.get<double>("train.lr"), .weight_decay = 1e-4}));
   at::manual_seed(rt.rank_seed());  // dropout and flips differ per rank, reproducibly
 
   loom::train::TrainOptions options = loom::train::TrainOptions::from(cfg);
-  options.steps = cfg.get<int64_t>("train.epochs") * static_cast<int64_t>(train_set->steps_per_epoch());
-  options.schedule = loom::train::Schedule::warmup_cosine({.lr = cfg.get<double>("train.lr"),
-                                                           .min_lr = cfg.get<double>("train.min_lr"),
-                                                           .warmup_steps = cfg.get<int64_t>("train.warmup_steps"),
-                                                           .total_steps = options.steps});
-  if (options.eval_every == 0) options.eval_every = static_cast<int64_t>(train_set->steps_per_epoch());
+  options.steps =
+      cfg.get<int64_t>("train.epochs") * static_cast<int64_t>(train_set->steps_per_epoch());
+  options.schedule =
+      loom::train::Schedule::warmup_cosine({.lr = cfg.get<double>("train.lr"),
+                                            .min_lr = cfg.get<double>("train.min_lr"),
+                                            .warmup_steps = cfg.get<int64_t>("train.warmup_steps"),
+                                            .total_steps = options.steps});
+  if (options.eval_every == 0)
+    options.eval_every = static_cast<int64_t>(train_set->steps_per_epoch());
   const int64_t eval_batch = cfg.get<int64_t>("eval.batch_size");
 
   loom::train::Trainer trainer(
@@ -119,11 +130,15 @@ void train(loom::Runtime& rt) {
       }});
   const auto start = std::chrono::steady_clock::now();
   const loom::train::FitResult result = trainer.fit();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double test_accuracy = accuracy(rt, net, test_set, eval_batch);
-  if (rt.is_main()) rt.log().info("result: test accuracy {:.4f} after {} steps ({} to {}) in {:.1f} s on {} rank(s) "
-                "(published 2-conv baseline 0.916)",
-                test_accuracy, result.steps_done, result.start_step, result.steps_done, seconds, rt.world_size());
+  if (rt.is_main())
+    rt.log().info(
+        "result: test accuracy {:.4f} after {} steps ({} to {}) in {:.1f} s on {} rank(s) "
+        "(published 2-conv baseline 0.916)",
+        test_accuracy, result.steps_done, result.start_step, result.steps_done, seconds,
+        rt.world_size());
   if (rt.is_main()) {
     std::ofstream(rt.run_dir() / "result.json")
         << "{\"test_accuracy\": " << test_accuracy << ", \"steps\": " << result.steps_done

@@ -86,8 +86,8 @@ void train(loom::Runtime& rt) {
   const loom::Config& cfg = rt.config();
   const int64_t global_batch = cfg.get<int64_t>("train.batch_size");
   LOOM_CHECK(global_batch > 0 && global_batch % rt.world_size() == 0, loom::ConfigError,
-             "train.batch_size (", global_batch, ") must be a positive multiple of the world size (",
-             rt.world_size(), ")");
+             "train.batch_size (", global_batch,
+             ") must be a positive multiple of the world size (", rt.world_size(), ")");
   const int64_t batch = global_batch / rt.world_size();
   const int64_t eval_batches = cfg.get<int64_t>("eval.batches");
   gpt::GptConfig model_cfg{.seq_len = cfg.get<int64_t>("model.seq_len"),
@@ -96,8 +96,10 @@ void train(loom::Runtime& rt) {
                            .n_embd = cfg.get<int64_t>("model.n_embd")};
 
   const std::string train_dir = cfg.get<std::string>("data.train");
-  auto reader = rt.open_dataset(train_dir, {.batch_size = batch, .seq_len = model_cfg.seq_len, .seed = rt.seed()});
-  const loom::data::Reader val(cfg.get<std::string>("data.val"), {.seq_len = model_cfg.seq_len, .prefetch = 0});
+  auto reader = rt.open_dataset(
+      train_dir, {.batch_size = batch, .seq_len = model_cfg.seq_len, .seed = rt.seed()});
+  const loom::data::Reader val(cfg.get<std::string>("data.val"),
+                               {.seq_len = model_cfg.seq_len, .prefetch = 0});
   LOOM_CHECK(val.manifest().vocab_size == reader->manifest().vocab_size, loom::ConfigError,
              "data.val has vocabulary size ", val.manifest().vocab_size, " but data.train ",
              reader->manifest().vocab_size, ": build it with --tokenizer of the training set");
@@ -110,15 +112,18 @@ void train(loom::Runtime& rt) {
       "GPT: {} layers, {} heads, width {}, context {}, vocab {}: {:.2f}M parameters, "
       "{:.2f} MFLOP/token; train {} ({} tokens, {} sequences), held out {} ({} sequences); "
       "{} sequences per step on {} rank(s)",
-      model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd, model_cfg.seq_len, model_cfg.vocab_size,
-      model->num_params() / 1e6, model->flops_per_token() / 1e6, train_dir, reader->manifest().total_items(),
-      reader->num_samples(), cfg.get<std::string>("data.val"), val.num_samples(), global_batch, rt.world_size());
+      model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd, model_cfg.seq_len,
+      model_cfg.vocab_size, model->num_params() / 1e6, model->flops_per_token() / 1e6, train_dir,
+      reader->manifest().total_items(), reader->num_samples(), cfg.get<std::string>("data.val"),
+      val.num_samples(), global_batch, rt.world_size());
 
   // Data parallelism with Loom's AdamW (betas 0.9/0.95, GPT-2/nanoGPT practice). Its weight
   // decay applies to every parameter, LayerNorms and biases included.
   loom::parallel::DataParallel dp(model.ptr(), rt.world_group());
-  dp.set_optimizer(std::make_unique<loom::optim::AdamW>(loom::optim::AdamWOptions{
-      .lr = cfg.get<double>("train.lr"), .beta2 = 0.95, .weight_decay = cfg.get<double>("train.weight_decay")}));
+  dp.set_optimizer(std::make_unique<loom::optim::AdamW>(
+      loom::optim::AdamWOptions{.lr = cfg.get<double>("train.lr"),
+                                .beta2 = 0.95,
+                                .weight_decay = cfg.get<double>("train.weight_decay")}));
   at::manual_seed(rt.rank_seed());
 
   loom::train::TrainOptions options = loom::train::TrainOptions::from(cfg);
@@ -140,7 +145,8 @@ void train(loom::Runtime& rt) {
     if (!prompt.empty()) {
       torch::NoGradGuard no_grad;
       model->eval();
-      auto ids = model->generate(prompt, cfg.get<int64_t>("sample.tokens"), cfg.get<int64_t>("sample.top_k"),
+      auto ids = model->generate(prompt, cfg.get<int64_t>("sample.tokens"),
+                                 cfg.get<int64_t>("sample.top_k"),
                                  cfg.get<double>("sample.temperature"), sample_rng);
       model->train();
       rt.log().info("sample: {}", vocab.decode(ids));
@@ -158,11 +164,12 @@ void train(loom::Runtime& rt) {
   evaluate(0);
   const auto start = std::chrono::steady_clock::now();
   const loom::train::FitResult result = trainer.fit();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (rt.is_main() && !curve.empty()) {
     rt.log().info("result: held-out loss {:.4f} after steps {}..{} in {:.1f} s on {} rank(s)",
-                  curve.back()["val_loss"].get<double>(), result.start_step, result.steps_done, seconds,
-                  rt.world_size());
+                  curve.back()["val_loss"].get<double>(), result.start_step, result.steps_done,
+                  seconds, rt.world_size());
     const nlohmann::json out = {{"steps", result.steps_done},
                                 {"train_seconds", seconds},
                                 {"world_size", rt.world_size()},

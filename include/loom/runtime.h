@@ -112,7 +112,8 @@ class Runtime {
   comm::Group& world_group() const;
   // Under `loom run`: what the heartbeat (a background thread, once a second) reports to the
   // coordinator for dashboards and hang detection. Thread-safe; a no-op otherwise.
-  void report_progress(int64_t step, double throughput, const std::string& state = "training") const;
+  void report_progress(int64_t step, double throughput,
+                       const std::string& state = "training") const;
 
  private:
   struct Impl;

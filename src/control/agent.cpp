@@ -122,8 +122,9 @@ class Agent {
       if (!round) return 128 + g_stop_signal.load();
       if (!round->admitted()) return finish_without_round(round->reason());
       generation_ = round->generation();
-      say("generation ", round->generation(), ": node ", round->node_rank(), " of ", round->nnodes(), ", ranks ",
-          round->rank_offset(), "-", round->rank_offset() + options_.nproc_per_node - 1, " of world size ",
+      say("generation ", round->generation(), ": node ", round->node_rank(), " of ",
+          round->nnodes(), ", ranks ", round->rank_offset(), "-",
+          round->rank_offset() + options_.nproc_per_node - 1, " of world size ",
           round->world_size());
       const Outcome outcome = run_generation(*round);
       if (outcome.exit_code >= 0) return linger(outcome.exit_code);
@@ -144,7 +145,8 @@ class Agent {
     const auto deadline = Clock::now() + options_.rendezvous_timeout;
     for (;;) {
       if (g_stop_signal.load() != 0) {
-        say("received signal ", g_stop_signal.load(), " while waiting for the other nodes: stopping");
+        say("received signal ", g_stop_signal.load(),
+            " while waiting for the other nodes: stopping");
         return std::nullopt;
       }
       const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
@@ -153,8 +155,10 @@ class Agent {
       request.set_nproc(options_.nproc_per_node);
       request.set_node_rank_hint(options_.node_rank);
       request.set_timeout_ms(std::clamp(left, milliseconds(0), milliseconds(1000)).count());
-      v1::JoinReply reply = client_->call("Join", &CoordinatorClient::Stub::Join, request, milliseconds(1000));
-      if (reply.admitted() || left <= milliseconds(0) || reply.reason().find("the job") == 0) return reply;
+      v1::JoinReply reply =
+          client_->call("Join", &CoordinatorClient::Stub::Join, request, milliseconds(1000));
+      if (reply.admitted() || left <= milliseconds(0) || reply.reason().find("the job") == 0)
+        return reply;
     }
   }
 
@@ -188,10 +192,13 @@ class Agent {
       int fds[2];
       LOOM_CHECK_SYS(::pipe2(fds, O_CLOEXEC), "creating a pipe for a worker's output");
       util::UniqueFd write_end(fds[1]);
-      Worker w{round.rank_offset() + local,
-               util::Subprocess::spawn({.argv = options_.program, .env = worker_env(round, local), .output_fd = fds[1]}),
-               fds[0]};
-      w.log.open(options_.run_dir / "logs" / detail::concat("worker_", w.rank, ".out"), std::ios::app);
+      Worker w{
+          round.rank_offset() + local,
+          util::Subprocess::spawn(
+              {.argv = options_.program, .env = worker_env(round, local), .output_fd = fds[1]}),
+          fds[0]};
+      w.log.open(options_.run_dir / "logs" / detail::concat("worker_", w.rank, ".out"),
+                 std::ios::app);
       w.log << "---- generation " << round.generation() << " ----\n";
       workers.push_back(std::move(w));
     }
@@ -206,7 +213,8 @@ class Agent {
     const auto deadline = Clock::now() + options_.grace;
     for (Worker& w : workers) {
       if (w.status) continue;
-      const auto left = std::max(milliseconds(0), std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
+      const auto left = std::max(milliseconds(0),
+                                 std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
       w.status = w.process.wait_for(left);
       if (!w.status) {
         say("rank ", w.rank, " did not stop within ", options_.grace.count(), " ms: SIGKILL");
@@ -231,7 +239,8 @@ class Agent {
     for (;;) {
       if (const int sig = g_stop_signal.load()) {
         say("received signal ", sig, ": stopping the job");
-        leave(false, 128 + sig, detail::concat("loom run on node ", node_id_, " received signal ", sig));
+        leave(false, 128 + sig,
+              detail::concat("loom run on node ", node_id_, " received signal ", sig));
         return {128 + sig};
       }
       int running = 0;

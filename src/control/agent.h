@@ -13,16 +13,16 @@
 namespace loom::control {
 
 struct AgentOptions {
-  std::vector<std::string> program;      // the worker's argv
-  int nproc_per_node = 1;                // workers on this node
-  int min_nodes = 1;                     // --nnodes MIN:MAX
+  std::vector<std::string> program;  // the worker's argv
+  int nproc_per_node = 1;            // workers on this node
+  int min_nodes = 1;                 // --nnodes MIN:MAX
   int max_nodes = 1;
-  int node_rank = -1;                    // orders the nodes; node 0 hosts the coordinator
-  std::string coordinator;               // host:port; empty = host one on 127.0.0.1, any port
-  bool host_coordinator = false;         // host it at `coordinator` (node 0 does)
-  bool coordinator_public = false;       // allow listening beyond loopback (needs the token)
-  std::string token;                     // the job token; every RPC carries it
-  int max_restarts = 0;                  // failures tolerated before the job fails
+  int node_rank = -1;               // orders the nodes; node 0 hosts the coordinator
+  std::string coordinator;          // host:port; empty = host one on 127.0.0.1, any port
+  bool host_coordinator = false;    // host it at `coordinator` (node 0 does)
+  bool coordinator_public = false;  // allow listening beyond loopback (needs the token)
+  std::string token;                // the job token; every RPC carries it
+  int max_restarts = 0;             // failures tolerated before the job fails
   std::filesystem::path run_dir = "runs/loom-run";
   std::chrono::milliseconds grace{std::chrono::seconds(10)};  // SIGTERM -> SIGKILL
   std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(120)};

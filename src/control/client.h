@@ -28,7 +28,8 @@ class CoordinatorClient {
   template <typename Request, typename Reply>
   Reply call(const char* name,
              grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Reply*),
-             const Request& request, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
+             const Request& request,
+             std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
     grpc::ClientContext context;
     prepare(context, extra);
     Reply reply;

@@ -34,7 +34,9 @@ bool is_loopback(const std::string& address) {
   return host.rfind("127.", 0) == 0 || host == "localhost" || host == "[::1]" || host == "::1";
 }
 
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 }  // namespace
 
@@ -86,7 +88,7 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
   mutable std::mutex mutex;
   std::condition_variable changed;
   bool shutting_down = false;
-  int64_t generation = 0;  // 0 until the first round closes
+  int64_t generation = 0;                 // 0 until the first round closes
   v1::GenerationState state = v1::ENDED;  // ENDED = gathering the next round
   std::map<std::string, Waiting> waiting;
   std::optional<Clock::time_point> round_deadline;
@@ -104,7 +106,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
 
   explicit Impl(CoordinatorOptions opts) : options(std::move(opts)) {
     LOOM_CHECK(options.min_nodes >= 1 && options.max_nodes >= options.min_nodes, InvalidArgument,
-               "nodes must satisfy 1 <= min <= max, got ", options.min_nodes, ":", options.max_nodes);
+               "nodes must satisfy 1 <= min <= max, got ", options.min_nodes, ":",
+               options.max_nodes);
     LOOM_CHECK(options.max_restarts >= 0, InvalidArgument, "max_restarts must be >= 0");
     if (!is_loopback(options.address)) {
       LOOM_CHECK(options.allow_non_loopback, InvalidArgument, "the coordinator would listen on ",
@@ -122,8 +125,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     quota.SetMaxThreads(512);
     builder.SetResourceQuota(quota);
     server = builder.BuildAndStart();
-    LOOM_CHECK(server != nullptr && port != 0, IoError, "the coordinator cannot listen on ", options.address,
-               " (address in use or not local?)");
+    LOOM_CHECK(server != nullptr && port != 0, IoError, "the coordinator cannot listen on ",
+               options.address, " (address in use or not local?)");
     address = options.address.substr(0, options.address.rfind(':') + 1) + std::to_string(port);
     monitor = std::thread([this] { monitor_loop(); });
   }
@@ -142,7 +145,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
 
   grpc::Status check_token(grpc::ServerContext* context, const char* call) {
     if (authorized(*context, options.token)) return grpc::Status::OK;
-    log().warn("coordinator: refused {} from {}: missing or wrong job token", call, context->peer());
+    log().warn("coordinator: refused {} from {}: missing or wrong job token", call,
+               context->peer());
     return {grpc::StatusCode::UNAUTHENTICATED, "wrong or missing job token (loom-token)"};
   }
 
@@ -175,15 +179,18 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     return missing;
   }
 
-  grpc::Status Get(grpc::ServerContext* c, const v1::GetRequest* req, v1::GetReply* reply) override {
+  grpc::Status Get(grpc::ServerContext* c, const v1::GetRequest* req,
+                   v1::GetReply* reply) override {
     if (auto s = check_token(c, "Get"); !s.ok()) return s;
-    if (!wait_keys(c, {req->key()}, milliseconds(req->timeout_ms())).empty()) return grpc::Status::OK;
+    if (!wait_keys(c, {req->key()}, milliseconds(req->timeout_ms())).empty())
+      return grpc::Status::OK;
     reply->set_found(true);
     reply->set_value(store.get(req->key(), milliseconds(0)));
     return grpc::Status::OK;
   }
 
-  grpc::Status Add(grpc::ServerContext* c, const v1::AddRequest* req, v1::AddReply* reply) override {
+  grpc::Status Add(grpc::ServerContext* c, const v1::AddRequest* req,
+                   v1::AddReply* reply) override {
     if (auto s = check_token(c, "Add"); !s.ok()) return s;
     try {
       reply->set_value(store.add(req->key(), req->delta()));
@@ -200,21 +207,25 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Wait(grpc::ServerContext* c, const v1::WaitRequest* req, v1::WaitReply* reply) override {
+  grpc::Status Wait(grpc::ServerContext* c, const v1::WaitRequest* req,
+                    v1::WaitReply* reply) override {
     if (auto s = check_token(c, "Wait"); !s.ok()) return s;
-    for (auto& k : wait_keys(c, {req->keys().begin(), req->keys().end()}, milliseconds(req->timeout_ms()))) {
+    for (auto& k :
+         wait_keys(c, {req->keys().begin(), req->keys().end()}, milliseconds(req->timeout_ms()))) {
       reply->add_missing(k);
     }
     return grpc::Status::OK;
   }
 
-  grpc::Status Check(grpc::ServerContext* c, const v1::CheckRequest* req, v1::CheckReply* reply) override {
+  grpc::Status Check(grpc::ServerContext* c, const v1::CheckRequest* req,
+                     v1::CheckReply* reply) override {
     if (auto s = check_token(c, "Check"); !s.ok()) return s;
     reply->set_all_present(store.check({req->keys().begin(), req->keys().end()}));
     return grpc::Status::OK;
   }
 
-  grpc::Status Remove(grpc::ServerContext* c, const v1::RemoveRequest* req, v1::RemoveReply* reply) override {
+  grpc::Status Remove(grpc::ServerContext* c, const v1::RemoveRequest* req,
+                      v1::RemoveReply* reply) override {
     if (auto s = check_token(c, "Remove"); !s.ok()) return s;
     reply->set_existed(store.remove(req->key()));
     return grpc::Status::OK;
@@ -237,14 +248,16 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
       const int hb = b.second.hint < 0 ? INT32_MAX : b.second.hint;
       return ha != hb ? ha < hb : a.first < b.first;
     });
-    if (static_cast<int>(nodes.size()) > options.max_nodes) nodes.resize(static_cast<size_t>(options.max_nodes));
+    if (static_cast<int>(nodes.size()) > options.max_nodes)
+      nodes.resize(static_cast<size_t>(options.max_nodes));
     ++generation;
     members.clear();
     assigned.clear();
     workers.clear();
     int offset = 0;
     for (size_t i = 0; i < nodes.size(); ++i) {
-      members.push_back({nodes[i].first, static_cast<int>(i), nodes[i].second.nproc, offset, Clock::now()});
+      members.push_back(
+          {nodes[i].first, static_cast<int>(i), nodes[i].second.nproc, offset, Clock::now()});
       offset += nodes[i].second.nproc;
     }
     world_size = offset;
@@ -262,7 +275,7 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     round_deadline.reset();
     state = v1::RUNNING;
     log().info("coordinator: generation {} starts: {} node(s), world size {}", generation,
-                       members.size(), world_size);
+               members.size(), world_size);
     changed.notify_all();
   }
 
@@ -277,17 +290,19 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     if (failure && restarts > options.max_restarts) {
       state = v1::FAILED;
       log().error("coordinator: generation {} ended: {}; restarts exhausted ({}), the job fails",
-                          generation, reason, options.max_restarts);
+                  generation, reason, options.max_restarts);
     } else {
       state = v1::ENDED;
       log().warn("coordinator: generation {} ended: {}; {}", generation, reason,
-                         failure ? "restart " + std::to_string(restarts) + " of " + std::to_string(options.max_restarts)
-                                 : std::string("re-rendezvous"));
+                 failure ? "restart " + std::to_string(restarts) + " of " +
+                               std::to_string(options.max_restarts)
+                         : std::string("re-rendezvous"));
     }
     changed.notify_all();
   }
 
-  grpc::Status Join(grpc::ServerContext* c, const v1::JoinRequest* req, v1::JoinReply* reply) override {
+  grpc::Status Join(grpc::ServerContext* c, const v1::JoinRequest* req,
+                    v1::JoinReply* reply) override {
     if (auto s = check_token(c, "Join"); !s.ok()) return s;
     const auto deadline = Clock::now() + milliseconds(req->timeout_ms());
     std::unique_lock<std::mutex> lock(mutex);
@@ -300,7 +315,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     for (;;) {
       if (job_over()) {
         waiting.erase(req->node_id());
-        reply->set_reason(state == v1::FINISHED ? "the job already finished" : "the job failed: " + last_failure);
+        reply->set_reason(state == v1::FINISHED ? "the job already finished"
+                                                : "the job failed: " + last_failure);
         return grpc::Status::OK;
       }
       auto it = assigned.find(req->node_id());
@@ -317,8 +333,9 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
       }
       if (Clock::now() >= deadline || c->IsCancelled() || shutting_down) {
         // Stays in `waiting` (kWaitingExpiry) so that the next Join call keeps its place.
-        reply->set_reason("the rendezvous did not complete in time: " + std::to_string(waiting.size()) +
-                          " node(s) joined, at least " + std::to_string(options.min_nodes) + " needed");
+        reply->set_reason(
+            "the rendezvous did not complete in time: " + std::to_string(waiting.size()) +
+            " node(s) joined, at least " + std::to_string(options.min_nodes) + " needed");
         return grpc::Status::OK;
       }
       waiting[req->node_id()].seen = Clock::now();
@@ -326,7 +343,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     }
   }
 
-  grpc::Status Heartbeat(grpc::ServerContext* c, const v1::HeartbeatRequest* req, v1::HeartbeatReply* reply) override {
+  grpc::Status Heartbeat(grpc::ServerContext* c, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatReply* reply) override {
     if (auto s = check_token(c, "Heartbeat"); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(mutex);
     if (req->generation() == generation && state == v1::RUNNING) {
@@ -343,7 +361,9 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
       }
     }
     const bool current = req->generation() == generation;
-    reply->set_state(job_over() ? state : current && state == v1::RUNNING ? v1::RUNNING : v1::ENDED);
+    reply->set_state(job_over()                        ? state
+                     : current && state == v1::RUNNING ? v1::RUNNING
+                                                       : v1::ENDED);
     reply->set_generation(generation);
     reply->set_flight_dump_epoch(flight_dump_epoch);
     reply->set_exit_code(exit_code);
@@ -351,14 +371,16 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status ReportFailure(grpc::ServerContext* c, const v1::FailureRequest* req, v1::FailureReply*) override {
+  grpc::Status ReportFailure(grpc::ServerContext* c, const v1::FailureRequest* req,
+                             v1::FailureReply*) override {
     if (auto s = check_token(c, "ReportFailure"); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(mutex);
     if (req->generation() == generation) end_generation(req->reason(), req->exit_code(), true);
     return grpc::Status::OK;
   }
 
-  grpc::Status Leave(grpc::ServerContext* c, const v1::LeaveRequest* req, v1::LeaveReply*) override {
+  grpc::Status Leave(grpc::ServerContext* c, const v1::LeaveRequest* req,
+                     v1::LeaveReply*) override {
     if (auto s = check_token(c, "Leave"); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(mutex);
     if (!req->success()) {  // an agent stops the job (a signal): everyone stops
@@ -383,7 +405,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetStatus(grpc::ServerContext* c, const v1::StatusRequest*, v1::JobStatus* reply) override {
+  grpc::Status GetStatus(grpc::ServerContext* c, const v1::StatusRequest*,
+                         v1::JobStatus* reply) override {
     if (auto s = check_token(c, "GetStatus"); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(mutex);
     reply->set_generation(generation);
@@ -425,7 +448,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
       if (state == v1::RUNNING) {
         for (const Member& m : members) {
           if (!m.left && Clock::now() - m.last_heartbeat > options.node_timeout) {
-            end_generation("node " + std::to_string(m.node_rank) + " (" + m.node_id + ") lost: no heartbeat for " +
+            end_generation("node " + std::to_string(m.node_rank) + " (" + m.node_id +
+                               ") lost: no heartbeat for " +
                                std::to_string(options.node_timeout.count()) + " ms",
                            1, false);
             break;
@@ -436,7 +460,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
         for (const auto& [rank, w] : workers) {
           if (Clock::now() - w.last_heartbeat > options.worker_timeout) {
             end_generation("rank " + std::to_string(rank) + " missed heartbeats for " +
-                               std::to_string(options.worker_timeout.count()) + " ms (hung or dead)",
+                               std::to_string(options.worker_timeout.count()) +
+                               " ms (hung or dead)",
                            1, true);
             break;
           }
@@ -453,7 +478,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
   }
 };
 
-Coordinator::Coordinator(CoordinatorOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+Coordinator::Coordinator(CoordinatorOptions options)
+    : impl_(std::make_unique<Impl>(std::move(options))) {}
 Coordinator::~Coordinator() = default;
 const std::string& Coordinator::address() const { return impl_->address; }
 bool Coordinator::done() const {

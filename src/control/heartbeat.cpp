@@ -47,7 +47,8 @@ struct Heartbeat::Impl {
       lock.unlock();
       try {
         const auto reply = client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat);
-        if (!reachable && options.log) options.log->info("heartbeat: the coordinator answers again");
+        if (!reachable && options.log)
+          options.log->info("heartbeat: the coordinator answers again");
         reachable = true;
         if (dumps_seen >= 0 && reply.flight_dump_epoch() > dumps_seen && options.on_flight_dump) {
           options.on_flight_dump();
@@ -56,7 +57,10 @@ struct Heartbeat::Impl {
         // Orphaned (the agent died) in a generation that is over: nobody will stop this worker,
         // and its peers are gone. SIGTERM lets a trainer that handles it exit cleanly.
         if (reply.state() != v1::RUNNING && ::getppid() != parent && !terminated) {
-          if (options.log) options.log->error("heartbeat: generation {} is over and this worker's launcher is gone: stopping", options.generation);
+          if (options.log)
+            options.log->error(
+                "heartbeat: generation {} is over and this worker's launcher is gone: stopping",
+                options.generation);
           terminated = true;
           std::raise(SIGTERM);
         }
@@ -70,7 +74,8 @@ struct Heartbeat::Impl {
   }
 };
 
-Heartbeat::Heartbeat(HeartbeatOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+Heartbeat::Heartbeat(HeartbeatOptions options)
+    : impl_(std::make_unique<Impl>(std::move(options))) {}
 
 Heartbeat::~Heartbeat() {
   {

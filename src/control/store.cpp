@@ -29,8 +29,8 @@ std::string CoordinatorStore::get(const std::string& key, milliseconds timeout) 
   req.set_key(key);
   req.set_timeout_ms(timeout.count());
   const auto reply = impl_->client.call("Get", &CoordinatorClient::Stub::Get, req, timeout);
-  LOOM_CHECK(reply.found(), Timeout, "coordinator store: key '", key, "' was not set within ", timeout.count(),
-             " ms");
+  LOOM_CHECK(reply.found(), Timeout, "coordinator store: key '", key, "' was not set within ",
+             timeout.count(), " ms");
   return reply.value();
 }
 
@@ -58,7 +58,8 @@ void CoordinatorStore::wait(const std::vector<std::string>& keys, milliseconds t
   if (reply.missing().empty()) return;
   std::string missing;
   for (const auto& k : reply.missing()) missing += (missing.empty() ? "" : ", ") + k;
-  throw Timeout(detail::concat("coordinator store: keys not set within ", timeout.count(), " ms: ", missing));
+  throw Timeout(
+      detail::concat("coordinator store: keys not set within ", timeout.count(), " ms: ", missing));
 }
 
 bool CoordinatorStore::check(const std::vector<std::string>& keys) {

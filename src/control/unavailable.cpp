@@ -7,8 +7,9 @@
 namespace loom::control {
 namespace {
 [[noreturn]] void unavailable() {
-  throw InvalidArgument("this Loom was built without the gRPC control plane (LOOM_WITH_GRPC=OFF); "
-                        "rebuild with -DLOOM_WITH_GRPC=ON to use loom run and the coordinator");
+  throw InvalidArgument(
+      "this Loom was built without the gRPC control plane (LOOM_WITH_GRPC=OFF); "
+      "rebuild with -DLOOM_WITH_GRPC=ON to use loom run and the coordinator");
 }
 }  // namespace
 
@@ -20,17 +21,21 @@ bool Coordinator::done() const { unavailable(); }
 std::string generate_token() { unavailable(); }
 
 struct CoordinatorStore::Impl {};
-CoordinatorStore::CoordinatorStore(const std::string&, const std::string&, std::chrono::milliseconds) {
+CoordinatorStore::CoordinatorStore(const std::string&, const std::string&,
+                                   std::chrono::milliseconds) {
   unavailable();
 }
 CoordinatorStore::~CoordinatorStore() = default;
 void CoordinatorStore::set(const std::string&, const std::string&) { unavailable(); }
 std::string CoordinatorStore::get(const std::string&, std::chrono::milliseconds) { unavailable(); }
 int64_t CoordinatorStore::add(const std::string&, int64_t) { unavailable(); }
-std::string CoordinatorStore::compare_set(const std::string&, const std::string&, const std::string&) {
+std::string CoordinatorStore::compare_set(const std::string&, const std::string&,
+                                          const std::string&) {
   unavailable();
 }
-void CoordinatorStore::wait(const std::vector<std::string>&, std::chrono::milliseconds) { unavailable(); }
+void CoordinatorStore::wait(const std::vector<std::string>&, std::chrono::milliseconds) {
+  unavailable();
+}
 bool CoordinatorStore::check(const std::vector<std::string>&) { unavailable(); }
 bool CoordinatorStore::remove(const std::string&) { unavailable(); }
 

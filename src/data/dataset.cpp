@@ -18,7 +18,9 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-const char* kind_name(DatasetKind kind) { return kind == DatasetKind::kTokens ? "tokens" : "records"; }
+const char* kind_name(DatasetKind kind) {
+  return kind == DatasetKind::kTokens ? "tokens" : "records";
+}
 
 // The manifest as JSON, without "version": the bytes the version hashes.
 json content_json(const Manifest& m) {
@@ -59,15 +61,17 @@ json content_json(const Manifest& m) {
   return j;
 }
 
-std::string version_of(const Manifest& m) { return util::hash_hex(util::xxh64(content_json(m).dump())); }
+std::string version_of(const Manifest& m) {
+  return util::hash_hex(util::xxh64(content_json(m).dump()));
+}
 
 template <typename T>
 T get(const json& j, const char* key, const fs::path& file) {
   try {
     return j.at(key).get<T>();
   } catch (const json::exception& e) {
-    throw CorruptData(detail::concat(file.string(), ": field \"", key, "\" is missing or has the wrong type (",
-                                     e.what(), ")"));
+    throw CorruptData(detail::concat(file.string(), ": field \"", key,
+                                     "\" is missing or has the wrong type (", e.what(), ")"));
   }
 }
 
@@ -75,9 +79,9 @@ Manifest parse_manifest(const json& j, const fs::path& file) {
   LOOM_CHECK(j.is_object() && j.value("format", "") == "loom-dataset", CorruptData, file.string(),
              " is not a Loom dataset manifest");
   const int version = get<int>(j, "format_version", file);
-  LOOM_CHECK(version == Manifest::kFormatVersion, CorruptData, file.string(), " has format version ",
-             version, "; this Loom reads version ", Manifest::kFormatVersion,
-             ": rebuild the dataset with this Loom's `loom data build`");
+  LOOM_CHECK(version == Manifest::kFormatVersion, CorruptData, file.string(),
+             " has format version ", version, "; this Loom reads version ",
+             Manifest::kFormatVersion, ": rebuild the dataset with this Loom's `loom data build`");
   Manifest m;
   const std::string kind = get<std::string>(j, "kind", file);
   LOOM_CHECK(kind == "tokens" || kind == "records", CorruptData, file.string(), ": unknown kind '",
@@ -171,8 +175,9 @@ class ShardFile {
   void flush() {
     size_t done = 0;
     while (done < buffer_.size()) {
-      done += static_cast<size_t>(LOOM_CHECK_SYS(
-          ::write(fd_.get(), buffer_.data() + done, buffer_.size() - done), "writing ", tmp_.string()));
+      done += static_cast<size_t>(
+          LOOM_CHECK_SYS(::write(fd_.get(), buffer_.data() + done, buffer_.size() - done),
+                         "writing ", tmp_.string()));
     }
     written_ += buffer_.size();
     buffer_.clear();
@@ -227,7 +232,8 @@ const Field& Manifest::field(const std::string& name) const {
     if (f.name == name) return f;
     known += (known.empty() ? "" : ", ") + f.name;
   }
-  throw InvalidArgument(detail::concat("the dataset has no field '", name, "'; its fields: ", known));
+  throw InvalidArgument(
+      detail::concat("the dataset has no field '", name, "'; its fields: ", known));
 }
 
 Manifest read_manifest(const fs::path& dir) {
@@ -244,8 +250,9 @@ Manifest read_manifest(const fs::path& dir) {
   }
   Manifest m = parse_manifest(j, file);
   const std::string expected = version_of(m);
-  LOOM_CHECK(m.version == expected, CorruptData, file.string(), " was edited: its content hashes to ",
-             expected, " but it claims version ", m.version, "; rebuild the dataset");
+  LOOM_CHECK(m.version == expected, CorruptData, file.string(),
+             " was edited: its content hashes to ", expected, " but it claims version ", m.version,
+             "; rebuild the dataset");
   return m;
 }
 
@@ -268,8 +275,8 @@ Record& Record::real(double value) {
   return *this;
 }
 Record& Record::tensor(const void* data, size_t nbytes, std::vector<int64_t> shape) {
-  values_.push_back(
-      {FieldType::kTensor, std::string(static_cast<const char*>(data), nbytes), 0, 0, std::move(shape)});
+  values_.push_back({FieldType::kTensor, std::string(static_cast<const char*>(data), nbytes), 0, 0,
+                     std::move(shape)});
   return *this;
 }
 
@@ -397,7 +404,8 @@ RecordDatasetWriter::RecordDatasetWriter(fs::path dir, std::vector<Field> schema
     const Field& f = schema[i];
     LOOM_CHECK(!f.name.empty(), InvalidArgument, "schema field ", i, " has no name");
     for (size_t j = 0; j < i; ++j) {
-      LOOM_CHECK(schema[j].name != f.name, InvalidArgument, "schema field '", f.name, "' appears twice");
+      LOOM_CHECK(schema[j].name != f.name, InvalidArgument, "schema field '", f.name,
+                 "' appears twice");
     }
     if (f.type == FieldType::kTensor) format::dtype_size(f.dtype);
   }
@@ -454,7 +462,8 @@ VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
       std::unique_ptr<format::RecordShard> records;
       const util::MappedFile* file;
       if (m.kind == DatasetKind::kTokens) {
-        tokens = std::make_unique<format::TokenShard>(dir, info, format::token_bytes_for(m.vocab_size));
+        tokens =
+            std::make_unique<format::TokenShard>(dir, info, format::token_bytes_for(m.vocab_size));
         file = &tokens->file();
       } else {
         records = std::make_unique<format::RecordShard>(dir, info);
@@ -472,7 +481,8 @@ VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
           if (!bad.empty()) {
             report.record = static_cast<int64_t>(i);
             report.offset = static_cast<int64_t>(records->offset(i));
-            return fail(path, detail::concat("record ", i, " (byte offset ", report.offset, "): ", bad));
+            return fail(path,
+                        detail::concat("record ", i, " (byte offset ", report.offset, "): ", bad));
           }
         }
       }
@@ -485,9 +495,10 @@ VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
         if (progress) progress(report.bytes_checked, total);
       }
       if (hasher.digest() != info.xxhash64) {
-        return fail(path, detail::concat("its xxHash64 is ", util::hash_hex(hasher.digest()),
-                                         " but the manifest says ", util::hash_hex(info.xxhash64),
-                                         ": the file changed after the build; restore or rebuild it"));
+        return fail(path,
+                    detail::concat("its xxHash64 is ", util::hash_hex(hasher.digest()),
+                                   " but the manifest says ", util::hash_hex(info.xxhash64),
+                                   ": the file changed after the build; restore or rebuild it"));
       }
     } catch (const CorruptData& e) {
       return fail(path, e.what());

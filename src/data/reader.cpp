@@ -22,8 +22,8 @@ namespace fs = std::filesystem;
 
 at::ScalarType scalar_type(const std::string& dtype) {
   static const std::map<std::string, at::ScalarType> types = {
-      {"uint8", at::kByte},      {"int8", at::kChar},       {"int16", at::kShort},
-      {"int32", at::kInt},       {"int64", at::kLong},      {"float16", at::kHalf},
+      {"uint8", at::kByte},        {"int8", at::kChar},     {"int16", at::kShort},
+      {"int32", at::kInt},         {"int64", at::kLong},    {"float16", at::kHalf},
       {"bfloat16", at::kBFloat16}, {"float32", at::kFloat}, {"float64", at::kDouble},
       {"bool", at::kBool}};
   return types.at(dtype);
@@ -31,7 +31,8 @@ at::ScalarType scalar_type(const std::string& dtype) {
 
 // Index of the shard holding global item `i`, given each shard's first item (begins[0] == 0).
 size_t shard_of(const std::vector<uint64_t>& begins, uint64_t i) {
-  return static_cast<size_t>(std::upper_bound(begins.begin(), begins.end(), i) - begins.begin()) - 1;
+  return static_cast<size_t>(std::upper_bound(begins.begin(), begins.end(), i) - begins.begin()) -
+         1;
 }
 
 template <typename T>
@@ -98,9 +99,9 @@ class Source {
   static void check_hash(const fs::path& dir, const ShardInfo& info) {
     util::MappedFile file(dir / info.file);
     const uint64_t hash = util::xxh64(file.data(), file.size());
-    LOOM_CHECK(hash == info.xxhash64, CorruptData, "shard ", file.path().string(),
-               " has xxHash64 ", util::hash_hex(hash), " but the manifest says ",
-               util::hash_hex(info.xxhash64), ": the file changed after the build; restore or rebuild it");
+    LOOM_CHECK(hash == info.xxhash64, CorruptData, "shard ", file.path().string(), " has xxHash64 ",
+               util::hash_hex(hash), " but the manifest says ", util::hash_hex(info.xxhash64),
+               ": the file changed after the build; restore or rebuild it");
   }
 
   // Copies `count` tokens of the global stream from `offset` into out, across shards.
@@ -258,7 +259,8 @@ struct Reader::Impl {
 
   Impl(const fs::path& dir, ReaderOptions opts)
       : options(opts), source(dir, opts), sampler(sampler_options(opts, source)) {
-    LOOM_CHECK(options.prefetch >= 0, InvalidArgument, "prefetch must be >= 0, got ", options.prefetch);
+    LOOM_CHECK(options.prefetch >= 0, InvalidArgument, "prefetch must be >= 0, got ",
+               options.prefetch);
     consumed = sampler.state();
   }
 
@@ -309,7 +311,8 @@ struct Reader::Impl {
       {
         std::unique_lock<std::mutex> lock(mutex);
         producer_waiting = true;
-        not_full.wait(lock, [&] { return stop || queue.size() < static_cast<size_t>(options.prefetch); });
+        not_full.wait(lock,
+                      [&] { return stop || queue.size() < static_cast<size_t>(options.prefetch); });
         producer_waiting = false;
         if (stop) return;
       }
@@ -376,6 +379,8 @@ const Manifest& Reader::manifest() const { return impl_->source.manifest(); }
 const ReaderOptions& Reader::options() const { return impl_->options; }
 uint64_t Reader::num_samples() const { return impl_->source.num_samples(); }
 uint64_t Reader::steps_per_epoch() const { return impl_->sampler.steps_per_epoch(); }
-Batch Reader::read(const std::vector<uint64_t>& indices) const { return impl_->source.read(indices); }
+Batch Reader::read(const std::vector<uint64_t>& indices) const {
+  return impl_->source.read(indices);
+}
 
 }  // namespace loom::data

@@ -45,21 +45,27 @@ void check_magic(const util::MappedFile& file, const char (&magic)[8], uint32_t 
 
 size_t dtype_size(const std::string& dtype) {
   static const std::map<std::string, size_t> sizes = {
-      {"uint8", 1},   {"int8", 1},     {"int16", 2},    {"int32", 4},   {"int64", 8},
-      {"float16", 2}, {"bfloat16", 2}, {"float32", 4},  {"float64", 8}, {"bool", 1}};
+      {"uint8", 1},   {"int8", 1},     {"int16", 2},   {"int32", 4},   {"int64", 8},
+      {"float16", 2}, {"bfloat16", 2}, {"float32", 4}, {"float64", 8}, {"bool", 1}};
   auto it = sizes.find(dtype);
-  LOOM_CHECK(it != sizes.end(), InvalidArgument, "unknown tensor dtype '", dtype,
-             "'; use uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64 or bool");
+  LOOM_CHECK(
+      it != sizes.end(), InvalidArgument, "unknown tensor dtype '", dtype,
+      "'; use uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64 or bool");
   return it->second;
 }
 
 const char* field_type_name(FieldType type) {
   switch (type) {
-    case FieldType::kBytes: return "bytes";
-    case FieldType::kText: return "text";
-    case FieldType::kInt: return "int";
-    case FieldType::kFloat: return "float";
-    case FieldType::kTensor: return "tensor";
+    case FieldType::kBytes:
+      return "bytes";
+    case FieldType::kText:
+      return "text";
+    case FieldType::kInt:
+      return "int";
+    case FieldType::kFloat:
+      return "float";
+    case FieldType::kTensor:
+      return "tensor";
   }
   return "?";
 }
@@ -83,8 +89,12 @@ void encode_record(const std::vector<Field>& schema, const Record& record, std::
                field_type_name(field.type), " in the schema but the record gives ",
                field_type_name(value.type));
     switch (field.type) {
-      case FieldType::kInt: append_pod(out, value.integer); break;
-      case FieldType::kFloat: append_pod(out, value.real); break;
+      case FieldType::kInt:
+        append_pod(out, value.integer);
+        break;
+      case FieldType::kFloat:
+        append_pod(out, value.real);
+        break;
       case FieldType::kBytes:
       case FieldType::kText:
         LOOM_CHECK(value.bytes.size() <= UINT32_MAX, InvalidArgument, "field '", field.name,
@@ -95,8 +105,8 @@ void encode_record(const std::vector<Field>& schema, const Record& record, std::
       case FieldType::kTensor: {
         int64_t numel = 1;
         for (int64_t d : value.shape) numel *= d;
-        LOOM_CHECK(field.shape.empty() || field.shape == value.shape, InvalidArgument,
-                   "field '", field.name, "' has a fixed shape in the schema; the record's differs");
+        LOOM_CHECK(field.shape.empty() || field.shape == value.shape, InvalidArgument, "field '",
+                   field.name, "' has a fixed shape in the schema; the record's differs");
         LOOM_CHECK(static_cast<size_t>(numel) * dtype_size(field.dtype) == value.bytes.size(),
                    InvalidArgument, "field '", field.name, "': ", value.bytes.size(),
                    " bytes do not hold ", numel, " ", field.dtype, " elements");
@@ -126,8 +136,10 @@ std::string decode_record(const std::vector<Field>& schema, const uint8_t* paylo
       case FieldType::kInt:
       case FieldType::kFloat:
         if (!(p = take(8))) return "field '" + field.name + "' runs past the record";
-        if (field.type == FieldType::kInt) std::memcpy(&view.integer, p, 8);
-        else std::memcpy(&view.real, p, 8);
+        if (field.type == FieldType::kInt)
+          std::memcpy(&view.integer, p, 8);
+        else
+          std::memcpy(&view.real, p, 8);
         break;
       case FieldType::kBytes:
       case FieldType::kText: {
@@ -154,7 +166,8 @@ std::string decode_record(const std::vector<Field>& schema, const uint8_t* paylo
           numel *= static_cast<uint64_t>(d);
         }
         view.size = numel * dtype_size(field.dtype);
-        if (!(view.data = take(view.size))) return "field '" + field.name + "' runs past the record";
+        if (!(view.data = take(view.size)))
+          return "field '" + field.name + "' runs past the record";
         break;
       }
     }

@@ -64,8 +64,8 @@ struct FieldView {
   size_t size = 0;
   int64_t integer = 0;
   double real = 0;
-  uint32_t ndim = 0;          // kTensor
-  int64_t dims[kMaxDims]{};   // kTensor: the first ndim are the shape
+  uint32_t ndim = 0;         // kTensor
+  int64_t dims[kMaxDims]{};  // kTensor: the first ndim are the shape
   std::vector<int64_t> shape() const { return {dims, dims + ndim}; }
   bool same_shape(const FieldView& o) const {
     return ndim == o.ndim && std::memcmp(dims, o.dims, ndim * sizeof(int64_t)) == 0;

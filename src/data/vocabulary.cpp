@@ -22,8 +22,8 @@ Vocabulary Vocabulary::load(const std::filesystem::path& file) {
   Vocabulary v;
   for (std::string line; std::getline(in, line);) {
     const auto tab = line.find('\t');
-    LOOM_CHECK(tab != std::string::npos && tab > 0, CorruptData, file.string(), ":", v.pieces_.size() + 1,
-               ": expected \"piece<TAB>score\"");
+    LOOM_CHECK(tab != std::string::npos && tab > 0, CorruptData, file.string(), ":",
+               v.pieces_.size() + 1, ": expected \"piece<TAB>score\"");
     v.ids_.emplace(line.substr(0, tab), static_cast<int64_t>(v.pieces_.size()));
     v.pieces_.push_back(line.substr(0, tab));
   }
@@ -33,11 +33,11 @@ Vocabulary Vocabulary::load(const std::filesystem::path& file) {
 
 Vocabulary Vocabulary::of_dataset(const std::filesystem::path& dataset_dir) {
   const Manifest m = read_manifest(dataset_dir);
-  LOOM_CHECK(m.kind == DatasetKind::kTokens && !m.tokenizer.empty(), InvalidArgument, dataset_dir.string(),
-             " names no tokenizer vocabulary in its manifest");
+  LOOM_CHECK(m.kind == DatasetKind::kTokens && !m.tokenizer.empty(), InvalidArgument,
+             dataset_dir.string(), " names no tokenizer vocabulary in its manifest");
   Vocabulary v = load(dataset_dir / m.tokenizer);
-  LOOM_CHECK(v.size() == m.vocab_size, CorruptData, (dataset_dir / m.tokenizer).string(), " holds ", v.size(),
-             " pieces but the dataset's vocab_size is ", m.vocab_size);
+  LOOM_CHECK(v.size() == m.vocab_size, CorruptData, (dataset_dir / m.tokenizer).string(), " holds ",
+             v.size(), " pieces but the dataset's vocab_size is ", m.vocab_size);
   return v;
 }
 

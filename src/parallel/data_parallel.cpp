@@ -251,7 +251,8 @@ struct DataParallel::Impl {
     torch::NoGradGuard no_grad;
     for (at::Tensor buffer : module->buffers(/*recurse=*/true)) {
       // Collectives carry no bool: a bool buffer (e.g. a causal mask) travels as its bytes.
-      at::Tensor contiguous = buffer.scalar_type() == at::kBool ? buffer.to(at::kByte) : buffer.contiguous();
+      at::Tensor contiguous =
+          buffer.scalar_type() == at::kBool ? buffer.to(at::kByte) : buffer.contiguous();
       group.broadcast(contiguous, {.root = 0, .timeout = timeout})->wait(remaining(deadline));
       if (!contiguous.is_same(buffer)) buffer.copy_(contiguous);
     }

@@ -9,8 +9,8 @@
 #include <cmath>
 #include <csignal>
 #include <limits>
-#include <nlohmann/json.hpp>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 
 #include "loom/ckpt/checkpointer.h"
@@ -26,8 +26,8 @@
 namespace loom::train {
 namespace {
 
-using nlohmann::json;
 using metrics::Phase;
+using nlohmann::json;
 
 std::atomic<int> g_stop_signal{0};
 void on_stop_signal(int sig) { g_stop_signal.store(sig); }
@@ -59,7 +59,8 @@ data::Batch micro_batch(const data::Batch& batch, int64_t m, int64_t count) {
   const int64_t begin = m * rows / count, end = (m + 1) * rows / count;
   data::Batch out;
   for (const auto& [name, t] : batch.tensors) out.tensors[name] = t.slice(0, begin, end);
-  for (const auto& [name, list] : batch.strings) out.strings[name] = {list.begin() + begin, list.begin() + end};
+  for (const auto& [name, list] : batch.strings)
+    out.strings[name] = {list.begin() + begin, list.begin() + end};
   out.indices = {batch.indices.begin() + begin, batch.indices.begin() + end};
   out.num_real = std::clamp<int64_t>(batch.num_real - begin, 0, end - begin);
   out.epoch = batch.epoch;
@@ -78,7 +79,8 @@ ConfigSchema TrainOptions::schema() {
   s.add("train.warmup_steps", int64_t{0}, "linear warmup steps");
   s.add("train.schedule", "constant", "constant or cosine (linear warmup + cosine decay)");
   s.add("train.eval_every", int64_t{0}, "steps between evaluations; 0 = never");
-  s.add("train.checkpoint_every", int64_t{0}, "steps between async checkpoints; 0 = only at the end");
+  s.add("train.checkpoint_every", int64_t{0},
+        "steps between async checkpoints; 0 = only at the end");
   s.add("train.keep_last", 3, "committed checkpoints kept");
   s.add("train.on_non_finite", "stop", "stop (error naming the parameter) or skip the step");
   s.add("train.log_every", int64_t{10}, "steps between metrics log lines (without a terminal)");
@@ -131,12 +133,20 @@ struct Trainer::Impl {
   int64_t skipped = 0;
   bool stop_agreed = false;  // some rank got SIGTERM/SIGINT before the last step's all-reduce
 
-  Impl(Runtime& r, parallel::DataParallel& d, data::Reader& rd, TrainOptions o, LossFn l, Callbacks c)
-      : rt(r), dp(d), reader(rd), options(std::move(o)), loss_fn(std::move(l)), callbacks(std::move(c)) {
-    LOOM_CHECK(options.steps >= 0, InvalidArgument, "train.steps must be >= 0, got ", options.steps);
-    LOOM_CHECK(options.micro_batches >= 1 && reader.options().batch_size % options.micro_batches == 0,
-               InvalidArgument, "train.micro_batches (", options.micro_batches,
-               ") must divide the per-rank batch size (", reader.options().batch_size, ")");
+  Impl(Runtime& r, parallel::DataParallel& d, data::Reader& rd, TrainOptions o, LossFn l,
+       Callbacks c)
+      : rt(r),
+        dp(d),
+        reader(rd),
+        options(std::move(o)),
+        loss_fn(std::move(l)),
+        callbacks(std::move(c)) {
+    LOOM_CHECK(options.steps >= 0, InvalidArgument, "train.steps must be >= 0, got ",
+               options.steps);
+    LOOM_CHECK(
+        options.micro_batches >= 1 && reader.options().batch_size % options.micro_batches == 0,
+        InvalidArgument, "train.micro_batches (", options.micro_batches,
+        ") must divide the per-rank batch size (", reader.options().batch_size, ")");
     LOOM_CHECK(loss_fn != nullptr, InvalidArgument, "the Trainer needs a loss function");
   }
 
@@ -157,8 +167,9 @@ struct Trainer::Impl {
   ckpt::State describe_state() {
     ckpt::State state;
     dp.add_state(state);
-    state.add("rng/cpu", rng_buffer.view({1, -1}),
-              ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
+    state.add(
+        "rng/cpu", rng_buffer.view({1, -1}),
+        ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
     state.blobs["trainer"] = json{{"step", step}, {"skipped_steps", skipped}}.dump();
     state.blobs["reader"] = reader.state().to_json();
     state.blobs["config"] = json(rt.config().to_toml()).dump();
@@ -190,11 +201,13 @@ struct Trainer::Impl {
       std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_state(rng);
     } else {
-      rt.log().warn("resuming at world size {} from a checkpoint saved at {}: per-rank RNG streams restart "
-                    "from the seed",
-                    rt.world_size(), newest.world_size);
+      rt.log().warn(
+          "resuming at world size {} from a checkpoint saved at {}: per-rank RNG streams restart "
+          "from the seed",
+          rt.world_size(), newest.world_size);
     }
-    rt.log().info("resumed from checkpoint step {} ({}): continuing at step {}", loaded, newest.path.string(), step);
+    rt.log().info("resumed from checkpoint step {} ({}): continuing at step {}", loaded,
+                  newest.path.string(), step);
     return true;
   }
 
@@ -207,7 +220,8 @@ struct Trainer::Impl {
       metrics->on_checkpoint_committed(step);
       pending = {};
     } else {
-      pending = checkpointer->save(step, save_state, {.defer_copy = options.overlap_checkpoint_copy});
+      pending =
+          checkpointer->save(step, save_state, {.defer_copy = options.overlap_checkpoint_copy});
     }
   }
 
@@ -259,18 +273,19 @@ struct Trainer::Impl {
     info.local_loss = loss_sum / static_cast<double>(options.micro_batches);
     {
       auto phase = timer.phase(Phase::kOptimizer);
-      info.grad_norm = dp.clip_grad_norm(options.grad_clip > 0 ? options.grad_clip
-                                                                : std::numeric_limits<double>::infinity());
+      info.grad_norm = dp.clip_grad_norm(
+          options.grad_clip > 0 ? options.grad_clip : std::numeric_limits<double>::infinity());
       info.lr = options.schedule(step);
     }
     if (!std::isfinite(info.grad_norm)) {
-      LOOM_CHECK(options.on_non_finite == NonFinite::kSkip, Error, "step ", step, ": the gradient norm is ",
-                 info.grad_norm, "; first non-finite gradient on rank ", rt.rank(), ": ",
-                 first_non_finite_parameter(),
+      LOOM_CHECK(options.on_non_finite == NonFinite::kSkip, Error, "step ", step,
+                 ": the gradient norm is ", info.grad_norm, "; first non-finite gradient on rank ",
+                 rt.rank(), ": ", first_non_finite_parameter(),
                  ". Lower the learning rate, check the data, or set train.on_non_finite=skip");
       info.skipped = true;
       ++skipped;
-      rt.log().warn("step {}: gradient norm {}; step skipped ({} so far)", step, info.grad_norm, skipped);
+      rt.log().warn("step {}: gradient norm {}; step skipped ({} so far)", step, info.grad_norm,
+                    skipped);
     }
     if (pending.valid()) {
       auto phase = timer.phase(Phase::kCheckpointStall);
@@ -283,7 +298,8 @@ struct Trainer::Impl {
     }
     // One small all-reduce: the loss sum, and whether any rank was asked to stop (so that
     // every rank stops after the same step).
-    at::Tensor sums = at::tensor({info.local_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0}, at::kDouble);
+    at::Tensor sums =
+        at::tensor({info.local_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0}, at::kDouble);
     rt.world_group().all_reduce(sums)->wait();
     info.loss = sums[0].item<double>() / rt.world_size();
     stop_agreed = sums[1].item<double>() > 0;
@@ -302,8 +318,9 @@ struct Trainer::Impl {
     StopSignals signals;
     metrics = std::make_unique<metrics::MetricsLogger>(
         rt, metrics::MetricsOptions{.flops_per_token = options.flops_per_token,
-                                    .peak = options.flops_per_token > 0 ? metrics::peak_flops(rt.device())
-                                                                        : metrics::PeakFlops{},
+                                    .peak = options.flops_per_token > 0
+                                                ? metrics::peak_flops(rt.device())
+                                                : metrics::PeakFlops{},
                                     .log_every = options.log_every});
     open_checkpointer();
     FitResult result;
@@ -317,7 +334,8 @@ struct Trainer::Impl {
       result.last_loss = info.loss;
       if (callbacks.on_step_end) callbacks.on_step_end(info);
       poll_pending();
-      if (options.checkpoint_every > 0 && step % options.checkpoint_every == 0 && step < options.steps) {
+      if (options.checkpoint_every > 0 && step % options.checkpoint_every == 0 &&
+          step < options.steps) {
         save(false);
         last_saved = step;
       }
@@ -327,12 +345,14 @@ struct Trainer::Impl {
       }
       if (stop_agreed) {
         result.stopped_by_signal = true;
-        rt.log().info("stop requested (signal {}): saving step {} and stopping", g_stop_signal.load(), step);
+        rt.log().info("stop requested (signal {}): saving step {} and stopping",
+                      g_stop_signal.load(), step);
         break;
       }
     }
     metrics->clear_progress_line();
-    if (step != last_saved || !checkpointer->latest() || *checkpointer->latest() != step) save(true);
+    if (step != last_saved || !checkpointer->latest() || *checkpointer->latest() != step)
+      save(true);
     if (pending.valid()) {
       pending.wait(options.checkpoint_timeout);
       metrics->on_checkpoint_committed(pending.step());
@@ -342,12 +362,12 @@ struct Trainer::Impl {
     result.skipped_steps = skipped;
     return result;
   }
-
 };
 
-Trainer::Trainer(Runtime& rt, parallel::DataParallel& dp, data::Reader& reader, TrainOptions options, LossFn loss,
-                 Callbacks callbacks)
-    : impl_(std::make_unique<Impl>(rt, dp, reader, std::move(options), std::move(loss), std::move(callbacks))) {}
+Trainer::Trainer(Runtime& rt, parallel::DataParallel& dp, data::Reader& reader,
+                 TrainOptions options, LossFn loss, Callbacks callbacks)
+    : impl_(std::make_unique<Impl>(rt, dp, reader, std::move(options), std::move(loss),
+                                   std::move(callbacks))) {}
 
 Trainer::~Trainer() = default;
 

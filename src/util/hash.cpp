@@ -26,7 +26,8 @@ uint64_t parse_hash_hex(std::string_view hex, std::string_view what) {
     value = value << 4 | static_cast<uint64_t>(digit & 0xf);
   }
   if (!ok) {
-    throw CorruptData(detail::concat(what, ": '", hex, "' is not an xxHash64 (16 lowercase hex digits)"));
+    throw CorruptData(
+        detail::concat(what, ": '", hex, "' is not an xxHash64 (16 lowercase hex digits)"));
   }
   return value;
 }

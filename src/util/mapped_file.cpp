@@ -13,7 +13,8 @@
 namespace loom::util {
 
 MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {
-  UniqueFd fd(LOOM_CHECK_SYS(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "opening ", path.string()));
+  UniqueFd fd(
+      LOOM_CHECK_SYS(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "opening ", path.string()));
   struct stat st {};
   LOOM_CHECK_SYS(::fstat(fd.get(), &st), "reading the size of ", path.string());
   size_ = static_cast<size_t>(st.st_size);

@@ -100,8 +100,9 @@ Subprocess Subprocess::spawn(const SubprocessOptions& options) {
         ::posix_spawn_file_actions_adddup2(setup.actions(), STDOUT_FILENO, STDERR_FILENO), program);
   }
   if (options.output_fd >= 0) {
-    LOOM_CHECK_SPAWN(::posix_spawn_file_actions_adddup2(setup.actions(), options.output_fd, STDOUT_FILENO),
-                     program);
+    LOOM_CHECK_SPAWN(
+        ::posix_spawn_file_actions_adddup2(setup.actions(), options.output_fd, STDOUT_FILENO),
+        program);
     LOOM_CHECK_SPAWN(
         ::posix_spawn_file_actions_adddup2(setup.actions(), STDOUT_FILENO, STDERR_FILENO), program);
   }

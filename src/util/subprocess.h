@@ -28,8 +28,8 @@ struct SubprocessOptions {
   std::map<std::string, std::string> env;       // added to (or replacing in) the parent's env
   std::optional<std::filesystem::path> output;  // stdout+stderr appended here; else inherited
   int output_fd = -1;  // when >= 0 (and no output): stdout+stderr go to this fd, e.g. a pipe
-  std::optional<std::filesystem::path> cwd;     // working directory; else the parent's
-  bool own_process_group = true;                // signals then reach the child's children too
+  std::optional<std::filesystem::path> cwd;  // working directory; else the parent's
+  bool own_process_group = true;             // signals then reach the child's children too
 };
 
 // Not copyable; movable. Not thread-safe: one owner drives it.

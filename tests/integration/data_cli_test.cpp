@@ -22,7 +22,9 @@ ProgramResult loom(std::vector<std::string> args, const TempDir& dir) {
   return testing::run_program(args, dir.path());
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 TEST(DataCli, KjvTextBecomesATokenDatasetThatReadsBack) {
   TempDir dir;
@@ -32,8 +34,8 @@ TEST(DataCli, KjvTextBecomesATokenDatasetThatReadsBack) {
   ASSERT_GT(fs::file_size(text), 100000u);
 
   const fs::path ds = dir / "kjv";
-  ProgramResult built = loom({"data", "build", "text", "--input", text.string(), "--vocab-size", "600",
-                              "--out", ds.string(), "--shard-tokens", "20000"},
+  ProgramResult built = loom({"data", "build", "text", "--input", text.string(), "--vocab-size",
+                              "600", "--out", ds.string(), "--shard-tokens", "20000"},
                              dir);
   ASSERT_EQ(built.exit_code, 0) << built.output;
   EXPECT_TRUE(contains(built.output, "tokenizing")) << built.output;
@@ -49,14 +51,15 @@ TEST(DataCli, KjvTextBecomesATokenDatasetThatReadsBack) {
   Batch first = reader.read({0, 1});
   std::vector<int64_t> ids;
   const auto row = first["tokens"][1];
-  for (int64_t k = 0; k < first["mask"][1].sum().item<int64_t>(); ++k) ids.push_back(row[k].item<int64_t>());
+  for (int64_t k = 0; k < first["mask"][1].sum().item<int64_t>(); ++k)
+    ids.push_back(row[k].item<int64_t>());
   EXPECT_TRUE(contains(vocab.decode(ids), "In the beginning God created the heaven and the earth"))
       << vocab.decode(ids);
 
   ProgramResult verified = loom({"data", "verify", ds.string()}, dir);
   EXPECT_EQ(verified.exit_code, 0) << verified.output;
-  ProgramResult shown = loom({"data", "show", ds.string(), "--seq-len", "16", "--batch", "2", "--world", "2",
-                              "--rank", "1", "--step", "3", "--color", "never"},
+  ProgramResult shown = loom({"data", "show", ds.string(), "--seq-len", "16", "--batch", "2",
+                              "--world", "2", "--rank", "1", "--step", "3", "--color", "never"},
                              dir);
   ASSERT_EQ(shown.exit_code, 0) << shown.output;
   EXPECT_TRUE(contains(shown.output, "rank 1 of 2, step 3")) << shown.output;
@@ -66,13 +69,15 @@ TEST(DataCli, KjvTextBecomesATokenDatasetThatReadsBack) {
   Reader rank1(ds, {.batch_size = 2, .seq_len = 16, .rank = 1, .world_size = 2});
   for (int s = 0; s < 3; ++s) rank1.next();
   const Batch step3 = rank1.next();
-  EXPECT_TRUE(contains(shown.output, "dataset index " + std::to_string(step3.indices[0]))) << shown.output;
+  EXPECT_TRUE(contains(shown.output, "dataset index " + std::to_string(step3.indices[0])))
+      << shown.output;
 }
 
 TEST(DataCli, FashionMnistBecomesARecordDatasetThatReadsBack) {
   TempDir dir;
   const fs::path ds = dir / "fm";
-  ProgramResult built = loom({"data", "build", "fashion-mnist", "--split", "test", "--out", ds.string()}, dir);
+  ProgramResult built =
+      loom({"data", "build", "fashion-mnist", "--split", "test", "--out", ds.string()}, dir);
   ASSERT_EQ(built.exit_code, 0) << built.output;
   const Manifest m = read_manifest(ds);
   EXPECT_EQ(m.total_items(), 10000u);
@@ -87,7 +92,8 @@ TEST(DataCli, FashionMnistBecomesARecordDatasetThatReadsBack) {
   }
   EXPECT_TRUE(counts.eq(1000).all().item<bool>()) << counts;  // the test split is balanced
 
-  ProgramResult shown = loom({"data", "show", ds.string(), "--batch", "1", "--color", "never"}, dir);
+  ProgramResult shown =
+      loom({"data", "show", ds.string(), "--batch", "1", "--color", "never"}, dir);
   ASSERT_EQ(shown.exit_code, 0) << shown.output;
   EXPECT_TRUE(contains(shown.output, "label: ")) << shown.output;
   EXPECT_TRUE(contains(shown.output, "#")) << shown.output;  // the image as terminal art
@@ -110,12 +116,14 @@ TEST(DataCli, JsonlBecomesARecordDataset) {
   TempDir dir;
   {
     std::ofstream f(dir / "episodes.jsonl");
-    f << R"({"prompt": "2+2", "reward": 1.5, "steps": 3, "obs": [[1, 2], [3, 4]], "meta": {"a": 1}})" << "\n"
-      << R"({"prompt": "3+3", "reward": 2, "steps": 4, "obs": [[5, 6]], "meta": null})" << "\n";
+    f << R"({"prompt": "2+2", "reward": 1.5, "steps": 3, "obs": [[1, 2], [3, 4]], "meta": {"a": 1}})"
+      << "\n"
+      << R"({"prompt": "3+3", "reward": 2, "steps": 4, "obs": [[5, 6]], "meta": null})"
+      << "\n";
   }
   const fs::path ds = dir / "rl";
-  ProgramResult built = loom({"data", "build", "jsonl", "--input", (dir / "episodes.jsonl").string(), "--out",
-                              ds.string()},
+  ProgramResult built = loom({"data", "build", "jsonl", "--input",
+                              (dir / "episodes.jsonl").string(), "--out", ds.string()},
                              dir);
   ASSERT_EQ(built.exit_code, 0) << built.output;
   Reader reader(ds, {});
@@ -128,10 +136,13 @@ TEST(DataCli, JsonlBecomesARecordDataset) {
 
   {
     std::ofstream f(dir / "bad.jsonl");
-    f << R"({"a": 1})" << "\n" << R"({"a": "x"})" << "\n";
+    f << R"({"a": 1})"
+      << "\n"
+      << R"({"a": "x"})"
+      << "\n";
   }
-  ProgramResult bad = loom({"data", "build", "jsonl", "--input", (dir / "bad.jsonl").string(), "--out",
-                            (dir / "bad").string()},
+  ProgramResult bad = loom({"data", "build", "jsonl", "--input", (dir / "bad.jsonl").string(),
+                            "--out", (dir / "bad").string()},
                            dir);
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_TRUE(contains(bad.output, "bad.jsonl:2")) << bad.output;

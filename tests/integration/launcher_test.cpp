@@ -47,7 +47,8 @@ struct Launch {
 };
 
 Launch launch(const TempDir& dir, const std::string& name, std::vector<std::string> args,
-              const std::vector<std::string>& probe_args, std::map<std::string, std::string> env = {}) {
+              const std::vector<std::string>& probe_args,
+              std::map<std::string, std::string> env = {}) {
   std::vector<std::string> argv = {kLoom, "run", "--run-dir", (dir / "run").string()};
   argv.insert(argv.end(), args.begin(), args.end());
   argv.push_back("--");
@@ -58,12 +59,15 @@ Launch launch(const TempDir& dir, const std::string& name, std::vector<std::stri
 }
 
 // The probe records of a generation, once `count` ranks wrote theirs (or the timeout).
-std::vector<json> wait_probes(const TempDir& dir, int generation, int count, std::chrono::seconds timeout) {
+std::vector<json> wait_probes(const TempDir& dir, int generation, int count,
+                              std::chrono::seconds timeout) {
   const auto deadline = Clock::now() + timeout;
   for (;;) {
     std::vector<json> found;
     for (int r = 0; r < 16; ++r) {
-      const fs::path f = dir / "run" / "probe" / ("gen" + std::to_string(generation) + "_rank" + std::to_string(r) + ".json");
+      const fs::path f =
+          dir / "run" / "probe" /
+          ("gen" + std::to_string(generation) + "_rank" + std::to_string(r) + ".json");
       if (fs::exists(f)) found.push_back(json::parse(util::read_file(f)));
     }
     if (static_cast<int>(found.size()) >= count || Clock::now() > deadline) return found;
@@ -107,8 +111,14 @@ TEST_F(Launcher, TwoAgentsTimesTwoWorkers) {
   TempDir dir;
   const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
   const auto start = Clock::now();
-  Launch node0 = launch(dir, "node0", {"--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "0", "--coordinator", coordinator}, {});
-  Launch node1 = launch(dir, "node1", {"--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1", "--coordinator", coordinator}, {});
+  Launch node0 = launch(
+      dir, "node0",
+      {"--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "0", "--coordinator", coordinator},
+      {});
+  Launch node1 = launch(
+      dir, "node1",
+      {"--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1", "--coordinator", coordinator},
+      {});
   EXPECT_EQ(finish(node1), 0) << node1.text();
   EXPECT_EQ(finish(node0), 0) << node0.text();
   const auto probes = wait_probes(dir, 1, 4, std::chrono::seconds(1));
@@ -124,7 +134,8 @@ TEST_F(Launcher, TwoAgentsTimesTwoWorkers) {
 TEST_F(Launcher, RendezvousOfEightWorkers) {
   TempDir dir;
   const int64_t start_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                               std::chrono::system_clock::now().time_since_epoch()).count();
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
   Launch job = launch(dir, "job", {"--nproc-per-node", "8"}, {"--run.threads=1"});
   ASSERT_EQ(finish(job, std::chrono::seconds(120)), 0) << job.text();
   const auto probes = wait_probes(dir, 1, 8, std::chrono::seconds(1));
@@ -134,14 +145,17 @@ TEST_F(Launcher, RendezvousOfEightWorkers) {
     EXPECT_EQ(p["sum"], 36.0);
     last = std::max<int64_t>(last, p["ready_ms"]);
   }
-  std::printf("rendezvous of 8 local workers: %lld ms from `loom run` to every rank's first all-reduce done\n",
-              static_cast<long long>(last - start_ms));
+  std::printf(
+      "rendezvous of 8 local workers: %lld ms from `loom run` to every rank's first all-reduce "
+      "done\n",
+      static_cast<long long>(last - start_ms));
 }
 
 TEST_F(Launcher, KilledWorkerRestartsTheGeneration) {
   TempDir dir;
-  Launch job = launch(dir, "job", {"--nproc-per-node", "2", "--max-restarts", "2", "--grace-period", "2"},
-                      {"--probe.steps=30", "--probe.step_ms=100"});
+  Launch job =
+      launch(dir, "job", {"--nproc-per-node", "2", "--max-restarts", "2", "--grace-period", "2"},
+             {"--probe.steps=30", "--probe.step_ms=100"});
   const auto gen1 = wait_probes(dir, 1, 2, std::chrono::seconds(60));
   ASSERT_EQ(gen1.size(), 2u) << job.text();
   const auto killed_at = Clock::now();
@@ -149,8 +163,10 @@ TEST_F(Launcher, KilledWorkerRestartsTheGeneration) {
   const auto gen2 = wait_probes(dir, 2, 2, std::chrono::seconds(60));
   ASSERT_EQ(gen2.size(), 2u) << job.text();
   const double latency = std::chrono::duration<double>(Clock::now() - killed_at).count();
-  std::printf("restart latency: %.2f s from SIGKILL of rank 1 to both ranks of generation 2 past their first all-reduce\n",
-              latency);
+  std::printf(
+      "restart latency: %.2f s from SIGKILL of rank 1 to both ranks of generation 2 past their "
+      "first all-reduce\n",
+      latency);
   EXPECT_LT(latency, 30.0);
   for (const json& p : gen2) EXPECT_EQ(p["generation"], 2);
   EXPECT_EQ(finish(job), 0) << job.text();
@@ -159,7 +175,8 @@ TEST_F(Launcher, KilledWorkerRestartsTheGeneration) {
 
 TEST_F(Launcher, FailuresBeyondMaxRestartsFailTheJobWithTheWorkersCode) {
   TempDir dir;
-  Launch job = launch(dir, "job", {"--nproc-per-node", "2", "--max-restarts", "1"}, {"--probe.exit_code=7"});
+  Launch job =
+      launch(dir, "job", {"--nproc-per-node", "2", "--max-restarts", "1"}, {"--probe.exit_code=7"});
   EXPECT_EQ(finish(job), 7) << job.text();
   EXPECT_EQ(wait_probes(dir, 2, 2, std::chrono::seconds(1)).size(), 2u) << "one restart happened";
 }
@@ -167,8 +184,9 @@ TEST_F(Launcher, FailuresBeyondMaxRestartsFailTheJobWithTheWorkersCode) {
 TEST_F(Launcher, ElasticJobContinuesWhenANodeIsLost) {
   TempDir dir;
   const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
-  const std::vector<std::string> common = {"--nnodes", "1:2", "--nproc-per-node", "2", "--coordinator", coordinator,
-                                           "--node-timeout", "2", "--last-call", "1", "--grace-period", "2"};
+  const std::vector<std::string> common = {"--nnodes",      "1:2",       "--nproc-per-node", "2",
+                                           "--coordinator", coordinator, "--node-timeout",   "2",
+                                           "--last-call",   "1",         "--grace-period",   "2"};
   auto args = [&](int node) {
     auto a = common;
     a.insert(a.end(), {"--node-rank", std::to_string(node)});
@@ -194,7 +212,8 @@ TEST_F(Launcher, ElasticJobContinuesWhenANodeIsLost) {
 TEST_F(Launcher, WrongTokenIsRefused) {
   TempDir dir;
   const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
-  const std::vector<std::string> common = {"--nnodes", "2", "--coordinator", coordinator, "--rendezvous-timeout", "20"};
+  const std::vector<std::string> common = {
+      "--nnodes", "2", "--coordinator", coordinator, "--rendezvous-timeout", "20"};
   auto a0 = common;
   a0.insert(a0.end(), {"--node-rank", "0"});
   auto a1 = common;

@@ -32,7 +32,8 @@ class Trainer : public ::testing::Test {
     std::mt19937 rng(7);
     for (int d = 0; d < 100; ++d) {
       std::vector<uint32_t> doc;
-      for (int i = 0; i < 60; ++i) doc.push_back(static_cast<uint32_t>((i * 7 + d) % 64 ^ (rng() % 2)));
+      for (int i = 0; i < 60; ++i)
+        doc.push_back(static_cast<uint32_t>((i * 7 + d) % 64 ^ (rng() % 2)));
       writer.add_document(doc);
     }
     writer.finish();
@@ -40,10 +41,20 @@ class Trainer : public ::testing::Test {
 
   // Runs the probe under `loom run` with `nproc` workers; returns the exit code and output.
   testing::ProgramResult run(const std::string& name, int nproc, std::vector<std::string> extra) {
-    std::vector<std::string> argv = {kLoom, "run", "--nproc-per-node", std::to_string(nproc), "--max-restarts", "1",
-                                     "--run-dir", (dir_ / name).string(), "--", kProbe,
-                                     "--probe.data=" + (dir_ / "data").string(), "--run.threads=1",
-                                     "--train.checkpoint_every=4", "--train.log_every=100"};
+    std::vector<std::string> argv = {kLoom,
+                                     "run",
+                                     "--nproc-per-node",
+                                     std::to_string(nproc),
+                                     "--max-restarts",
+                                     "1",
+                                     "--run-dir",
+                                     (dir_ / name).string(),
+                                     "--",
+                                     kProbe,
+                                     "--probe.data=" + (dir_ / "data").string(),
+                                     "--run.threads=1",
+                                     "--train.checkpoint_every=4",
+                                     "--train.log_every=100"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     return testing::run_program(argv, dir_.path());
   }
@@ -89,7 +100,8 @@ TEST_P(TrainerResume, SigkilledRunResumesBitwiseLikeTheUninterruptedRun) {
   auto killed = run("killed", 2, {"--train.steps=16", mode, "--probe.kill_at_step=10"});
   ASSERT_EQ(killed.exit_code, 0) << killed.output;
   EXPECT_NE(killed.output.find("generation 1 ended"), std::string::npos) << killed.output;
-  EXPECT_NE(killed.output.find("resumed from checkpoint step "), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("resumed from checkpoint step "), std::string::npos)
+      << killed.output;
   for (int r = 0; r < 2; ++r) {
     int lines = 0;
     const auto resumed = losses("killed", r, &lines);
@@ -106,14 +118,25 @@ TEST_F(Trainer, ResumesAtAnotherWorldSize) {
   auto one = run("elastic", 1, {"--train.steps=12", "--probe.mode=zero2"});
   ASSERT_EQ(one.exit_code, 0) << one.output;
   EXPECT_NE(one.output.find("resumed from checkpoint step 8"), std::string::npos) << one.output;
-  EXPECT_NE(one.output.find("world size 1 from a checkpoint saved at 2"), std::string::npos) << one.output;
+  EXPECT_NE(one.output.find("world size 1 from a checkpoint saved at 2"), std::string::npos)
+      << one.output;
   EXPECT_EQ(losses("elastic", 0).size(), 12u);
 }
 
 TEST_F(Trainer, SigtermFinishesTheStepAndSaves) {
-  std::vector<std::string> argv = {kLoom, "run", "--nproc-per-node", "2", "--run-dir", (dir_ / "stop").string(),
-                                   "--", kProbe, "--probe.data=" + (dir_ / "data").string(), "--run.threads=1",
-                                   "--train.steps=100000", "--train.checkpoint_every=50", "--train.log_every=100000"};
+  std::vector<std::string> argv = {kLoom,
+                                   "run",
+                                   "--nproc-per-node",
+                                   "2",
+                                   "--run-dir",
+                                   (dir_ / "stop").string(),
+                                   "--",
+                                   kProbe,
+                                   "--probe.data=" + (dir_ / "data").string(),
+                                   "--run.threads=1",
+                                   "--train.steps=100000",
+                                   "--train.checkpoint_every=50",
+                                   "--train.log_every=100000"};
   auto job = util::Subprocess::spawn({.argv = argv, .output = dir_ / "stop.out"});
   const fs::path losses_file = dir_ / "stop" / "losses_rank0.txt";
   for (int i = 0; i < 600 && (!fs::exists(losses_file) || fs::file_size(losses_file) < 2000); ++i) {
@@ -130,14 +153,18 @@ TEST_F(Trainer, SigtermFinishesTheStepAndSaves) {
   const int steps_done = done.rbegin()->first + 1;
   char name[32];
   std::snprintf(name, sizeof name, "step_%08d", steps_done);
-  EXPECT_TRUE(fs::exists(dir_ / "stop" / "ckpt" / name / "manifest.json")) << "no checkpoint of the last step " << name;
+  EXPECT_TRUE(fs::exists(dir_ / "stop" / "ckpt" / name / "manifest.json"))
+      << "no checkpoint of the last step " << name;
 }
 
 TEST_F(Trainer, NonFiniteGradientsStopNamingTheParameterOrAreSkipped) {
   auto stop = run("nan", 1, {"--train.steps=6", "--train.lr=1e30", "--train.grad_clip=0"});
   EXPECT_NE(stop.exit_code, 0) << stop.output;
-  EXPECT_NE(stop.output.find("first non-finite gradient on rank 0: "), std::string::npos) << stop.output;
-  auto skip = run("skip", 1, {"--train.steps=6", "--train.lr=1e30", "--train.grad_clip=0", "--train.on_non_finite=skip"});
+  EXPECT_NE(stop.output.find("first non-finite gradient on rank 0: "), std::string::npos)
+      << stop.output;
+  auto skip = run(
+      "skip", 1,
+      {"--train.steps=6", "--train.lr=1e30", "--train.grad_clip=0", "--train.on_non_finite=skip"});
   EXPECT_EQ(skip.exit_code, 0) << skip.output;
   EXPECT_NE(skip.output.find("step skipped"), std::string::npos) << skip.output;
 }

@@ -18,7 +18,8 @@ int main(int argc, char** argv) {
   keys.add("probe.exit_code", 0, "exit with this code after the steps");
   return loom::run_main(argc, argv, keys, [](loom::Runtime& rt) {
     const auto now_ms = [] {
-      return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      return std::chrono::duration_cast<std::chrono::milliseconds>(
+                 std::chrono::system_clock::now().time_since_epoch())
           .count();
     };
     loom::comm::Group& group = rt.world_group();
@@ -29,16 +30,18 @@ int main(int argc, char** argv) {
     const auto dir = rt.run_dir() / "probe";
     std::filesystem::create_directories(dir);
     {
-      const auto file = dir / ("gen" + std::to_string(generation) + "_rank" + std::to_string(rt.rank()) + ".json");
-      std::ofstream(file.string() + ".tmp") << "{\"rank\": " << rt.rank() << ", \"world\": " << rt.world_size()
-                                             << ", \"generation\": " << generation << ", \"sum\": "
-                                             << t[0].item<float>() << ", \"pid\": " << ::getpid()
-                                             << ", \"ready_ms\": " << ready_ms << "}\n";
+      const auto file = dir / ("gen" + std::to_string(generation) + "_rank" +
+                               std::to_string(rt.rank()) + ".json");
+      std::ofstream(file.string() + ".tmp")
+          << "{\"rank\": " << rt.rank() << ", \"world\": " << rt.world_size()
+          << ", \"generation\": " << generation << ", \"sum\": " << t[0].item<float>()
+          << ", \"pid\": " << ::getpid() << ", \"ready_ms\": " << ready_ms << "}\n";
       std::filesystem::rename(file.string() + ".tmp", file);
     }
     for (int64_t step = 0; step < rt.config().get<int64_t>("probe.steps"); ++step) {
       rt.report_progress(step, 1.0);
-      std::this_thread::sleep_for(std::chrono::milliseconds(rt.config().get<int64_t>("probe.step_ms")));
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(rt.config().get<int64_t>("probe.step_ms")));
     }
     const int code = static_cast<int>(rt.config().get<int64_t>("probe.exit_code"));
     if (code != 0) std::exit(code);

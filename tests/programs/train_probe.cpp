@@ -26,7 +26,8 @@ TORCH_MODULE(TinyLm);
 loom::parallel::ZeroStage stage_of(const std::string& name) {
   if (name == "ddp") return loom::parallel::ZeroStage::kNone;
   if (name == "zero1") return loom::parallel::ZeroStage::kOne;
-  LOOM_CHECK(name == "zero2", loom::ConfigError, "probe.mode must be ddp, zero1 or zero2, got ", name);
+  LOOM_CHECK(name == "zero2", loom::ConfigError, "probe.mode must be ddp, zero1 or zero2, got ",
+             name);
   return loom::parallel::ZeroStage::kTwo;
 }
 
@@ -38,7 +39,8 @@ int main(int argc, char** argv) {
   keys.add("probe.mode", "ddp", "ddp, zero1 or zero2");
   keys.add("probe.batch", int64_t{8}, "samples per rank per step");
   keys.add("probe.seq_len", int64_t{16}, "tokens per sample");
-  keys.add("probe.kill_at_step", int64_t{-1}, "rank 1 SIGKILLs itself before this step in generation 1");
+  keys.add("probe.kill_at_step", int64_t{-1},
+           "rank 1 SIGKILLs itself before this step in generation 1");
   return loom::run_main(argc, argv, keys, [](loom::Runtime& rt) {
     const loom::Config& cfg = rt.config();
     auto reader = rt.open_dataset(cfg.get<std::string>("probe.data"),
@@ -46,12 +48,14 @@ int main(int argc, char** argv) {
                                    .seq_len = cfg.get<int64_t>("probe.seq_len"),
                                    .seed = rt.seed()});
     TinyLm model(static_cast<int64_t>(reader->manifest().vocab_size), 32);
-    loom::parallel::DataParallel dp(model.ptr(), rt.world_group(),
-                                    {.bucket_bytes = 4096, .zero_stage = stage_of(cfg.get<std::string>("probe.mode"))});
+    loom::parallel::DataParallel dp(
+        model.ptr(), rt.world_group(),
+        {.bucket_bytes = 4096, .zero_stage = stage_of(cfg.get<std::string>("probe.mode"))});
     dp.set_optimizer(std::make_unique<loom::optim::AdamW>(loom::optim::AdamWOptions{}));
     at::manual_seed(rt.rank_seed());  // dropout differs per rank, reproducibly
     const int64_t kill_at = cfg.get<int64_t>("probe.kill_at_step");
-    std::FILE* losses = std::fopen((rt.run_dir() / ("losses_rank" + std::to_string(rt.rank()) + ".txt")).c_str(), "a");
+    std::FILE* losses = std::fopen(
+        (rt.run_dir() / ("losses_rank" + std::to_string(rt.rank()) + ".txt")).c_str(), "a");
     loom::train::Trainer trainer(
         rt, dp, *reader, loom::train::TrainOptions::from(cfg),
         [&](const loom::data::Batch& b) {
@@ -71,7 +75,8 @@ int main(int argc, char** argv) {
           std::fflush(losses);
         }});
     const auto result = trainer.fit();
-    rt.log().info("probe: steps {}..{} done, last loss {}", result.start_step, result.steps_done, result.last_loss);
+    rt.log().info("probe: steps {}..{} done, last loss {}", result.start_step, result.steps_done,
+                  result.last_loss);
     std::fclose(losses);
   });
 }

@@ -31,12 +31,14 @@ int run_verify(const std::string& dir) {
   progress.finish(report.bytes_checked);
   if (!report.ok) {
     std::cout << "CORRUPT: " << report.file;
-    if (report.record >= 0) std::cout << " record " << report.record << " (byte offset " << report.offset << ")";
+    if (report.record >= 0)
+      std::cout << " record " << report.record << " (byte offset " << report.offset << ")";
     std::cout << ": " << report.problem << "\n";
     return kExitFailed;
   }
   std::cout << "ok: " << dir << ": " << m.shards.size() << " shards, " << m.total_bytes()
-            << " bytes, every shard hash" << (m.kind == data::DatasetKind::kRecords ? " and record checksum" : "")
+            << " bytes, every shard hash"
+            << (m.kind == data::DatasetKind::kRecords ? " and record checksum" : "")
             << " matches; version " << m.version << "\n";
   return kExitOk;
 }
@@ -64,7 +66,8 @@ struct Style {
   std::string bold(const std::string& s) const { return color ? "\033[1m" + s + "\033[0m" : s; }
 };
 
-// A [H, W] uint8 image as terminal art: half blocks in 24 grays, or an ASCII ramp two rows per line.
+// A [H, W] uint8 image as terminal art: half blocks in 24 grays, or an ASCII ramp two rows per
+// line.
 void print_image(const at::Tensor& image, const Style& style) {
   const auto a = image.accessor<uint8_t, 2>();
   const int64_t h = image.size(0), w = image.size(1);
@@ -74,7 +77,8 @@ void print_image(const at::Tensor& image, const Style& style) {
     for (int64_t x = 0; x < w; ++x) {
       const int top = a[y][x], bottom = y + 1 < h ? a[y + 1][x] : 0;
       if (style.color) {
-        std::cout << style.fg(232 + top * 23 / 255) << style.bg(232 + bottom * 23 / 255) << "\u2580";
+        std::cout << style.fg(232 + top * 23 / 255) << style.bg(232 + bottom * 23 / 255)
+                  << "\u2580";
       } else {
         std::cout << ramp[(top + bottom) / 2 * 9 / 255];
       }
@@ -104,10 +108,13 @@ void print_tokens(const at::Tensor& row, const at::Tensor& mask, const data::Voc
   }
 }
 
-void print_record_field(const data::Field& field, const data::Batch& batch, int64_t r, const Style& style) {
+void print_record_field(const data::Field& field, const data::Batch& batch, int64_t r,
+                        const Style& style) {
   std::cout << "  " << field.name << ": ";
   switch (field.type) {
-    case data::FieldType::kText: std::cout << '"' << batch.strings.at(field.name)[r] << "\"\n"; return;
+    case data::FieldType::kText:
+      std::cout << '"' << batch.strings.at(field.name)[r] << "\"\n";
+      return;
     case data::FieldType::kBytes: {
       const std::string& b = batch.strings.at(field.name)[r];
       std::cout << b.size() << " bytes\n";
@@ -116,11 +123,14 @@ void print_record_field(const data::Field& field, const data::Batch& batch, int6
     case data::FieldType::kInt: {
       const int64_t v = batch[field.name][r].item<int64_t>();
       std::cout << v;
-      if (v >= 0 && v < static_cast<int64_t>(field.classes.size())) std::cout << " (" << field.classes[v] << ")";
+      if (v >= 0 && v < static_cast<int64_t>(field.classes.size()))
+        std::cout << " (" << field.classes[v] << ")";
       std::cout << "\n";
       return;
     }
-    case data::FieldType::kFloat: std::cout << batch[field.name][r].item<double>() << "\n"; return;
+    case data::FieldType::kFloat:
+      std::cout << batch[field.name][r].item<double>() << "\n";
+      return;
     case data::FieldType::kTensor: {
       const at::Tensor t = batch[field.name][r];
       std::cout << field.dtype << " " << t.sizes() << "\n";
@@ -129,7 +139,8 @@ void print_record_field(const data::Field& field, const data::Batch& batch, int6
       } else {
         const at::Tensor flat = t.flatten().to(at::kDouble);
         std::cout << "    ";
-        for (int64_t k = 0; k < std::min<int64_t>(16, flat.numel()); ++k) std::cout << flat[k].item<double>() << " ";
+        for (int64_t k = 0; k < std::min<int64_t>(16, flat.numel()); ++k)
+          std::cout << flat[k].item<double>() << " ";
         std::cout << (flat.numel() > 16 ? "..." : "") << "\n";
       }
       return;
@@ -138,28 +149,30 @@ void print_record_field(const data::Field& field, const data::Batch& batch, int6
 }
 
 int run_show(const ShowArgs& args) {
-  data::ReaderOptions options{.batch_size = args.batch,
-                              .seq_len = args.seq_len,
-                              .sampling = args.sampling == "document" ? data::TokenSampling::kDocument
-                                                                      : data::TokenSampling::kPacked,
-                              .seed = args.seed,
-                              .rank = args.rank,
-                              .world_size = args.world,
-                              .epoch_end = args.epoch_end == "pad" ? data::EpochEnd::kPad : data::EpochEnd::kDropLast,
-                              .prefetch = 0};
+  data::ReaderOptions options{
+      .batch_size = args.batch,
+      .seq_len = args.seq_len,
+      .sampling = args.sampling == "document" ? data::TokenSampling::kDocument
+                                              : data::TokenSampling::kPacked,
+      .seed = args.seed,
+      .rank = args.rank,
+      .world_size = args.world,
+      .epoch_end = args.epoch_end == "pad" ? data::EpochEnd::kPad : data::EpochEnd::kDropLast,
+      .prefetch = 0};
   data::Reader reader(args.dir, options);
   const data::Manifest& m = reader.manifest();
   const uint64_t steps = reader.steps_per_epoch();
-  const uint64_t global_batch = static_cast<uint64_t>(args.batch) * static_cast<uint64_t>(args.world);
+  const uint64_t global_batch =
+      static_cast<uint64_t>(args.batch) * static_cast<uint64_t>(args.world);
   reader.restore({m.version, args.seed, args.step / steps, args.step % steps * global_batch});
   const data::Batch batch = reader.next();
   const Style style{args.color == "always" || (args.color == "auto" && isatty(1))};
 
-  std::cout << style.bold("dataset " + args.dir) << " (version " << m.version << ", " << reader.num_samples()
-            << " samples)\n"
-            << "rank " << args.rank << " of " << args.world << ", step " << args.step << " = epoch " << batch.epoch
-            << " step " << args.step % steps << " of " << steps << ", seed " << args.seed << ", " << args.batch
-            << " samples per rank\n";
+  std::cout << style.bold("dataset " + args.dir) << " (version " << m.version << ", "
+            << reader.num_samples() << " samples)\n"
+            << "rank " << args.rank << " of " << args.world << ", step " << args.step << " = epoch "
+            << batch.epoch << " step " << args.step % steps << " of " << steps << ", seed "
+            << args.seed << ", " << args.batch << " samples per rank\n";
   std::unique_ptr<data::Vocabulary> vocab;
   if (m.kind == data::DatasetKind::kTokens && !m.tokenizer.empty()) {
     vocab = std::make_unique<data::Vocabulary>(data::Vocabulary::of_dataset(args.dir));
@@ -182,28 +195,35 @@ int run_show(const ShowArgs& args) {
 void register_data(CLI::App& app, Action& action) {
   CLI::App* data = app.add_subcommand("data", "Build, verify and look into datasets.");
   data->require_subcommand(1);
-  data->footer("Formats and guarantees: docs/data-format.md; the sample order: docs/data-order.md.");
+  data->footer(
+      "Formats and guarantees: docs/data-format.md; the sample order: docs/data-order.md.");
   register_data_build(*data, action);
 
   auto verify_dir = std::make_shared<std::string>();
   CLI::App* verify = data->add_subcommand("verify", "Check every shard hash and record checksum.");
   verify->add_option("dir", *verify_dir, "the dataset directory")->required();
-  verify->footer("Exit codes: 0 intact, 1 corrupt (the first bad shard or record is named), 2 unreadable.");
-  verify->callback([verify_dir, &action] { action = [verify_dir] { return run_verify(*verify_dir); }; });
+  verify->footer(
+      "Exit codes: 0 intact, 1 corrupt (the first bad shard or record is named), 2 unreadable.");
+  verify->callback(
+      [verify_dir, &action] { action = [verify_dir] { return run_verify(*verify_dir); }; });
 
   auto show = std::make_shared<ShowArgs>();
   CLI::App* s = data->add_subcommand("show", "Print the samples a rank reads at a step, decoded.");
   s->add_option("dir", show->dir, "the dataset directory")->required();
   s->add_option("--rank", show->rank, "the rank")->capture_default_str();
   s->add_option("--world", show->world, "ranks reading together")->capture_default_str();
-  s->add_option("--step", show->step, "the training step (counting from 0 over all epochs)")->capture_default_str();
+  s->add_option("--step", show->step, "the training step (counting from 0 over all epochs)")
+      ->capture_default_str();
   s->add_option("--batch", show->batch, "samples per rank per step")->capture_default_str();
-  s->add_option("--seq-len", show->seq_len, "token datasets: T (a sample holds T + 1 tokens)")->capture_default_str();
+  s->add_option("--seq-len", show->seq_len, "token datasets: T (a sample holds T + 1 tokens)")
+      ->capture_default_str();
   s->add_option("--seed", show->seed, "the run's data seed")->capture_default_str();
   s->add_option("--sampling", show->sampling, "token datasets: packed or document")
       ->capture_default_str()
       ->check(CLI::IsMember({"packed", "document"}));
-  s->add_option("--epoch-end", show->epoch_end, "drop or pad")->capture_default_str()->check(CLI::IsMember({"drop", "pad"}));
+  s->add_option("--epoch-end", show->epoch_end, "drop or pad")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"drop", "pad"}));
   s->add_flag("--ids", show->ids, "also print token ids");
   s->add_option("--color", show->color, "auto, always or never")
       ->capture_default_str()

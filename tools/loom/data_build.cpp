@@ -28,7 +28,9 @@ using nlohmann::json;
 void print_summary(const data::Manifest& m, const fs::path& out) {
   std::cout << "built " << out.string() << ": " << m.total_items()
             << (m.kind == data::DatasetKind::kTokens ? " tokens in " : " records in ")
-            << (m.kind == data::DatasetKind::kTokens ? std::to_string(m.total_documents()) + " documents, " : "")
+            << (m.kind == data::DatasetKind::kTokens
+                    ? std::to_string(m.total_documents()) + " documents, "
+                    : "")
             << m.shards.size() << " shard" << (m.shards.size() == 1 ? "" : "s") << ", "
             << m.total_bytes() << " bytes; version " << m.version << "\n";
 }
@@ -84,8 +86,8 @@ void run_spm(const std::vector<std::string>& argv, const fs::path& log) {
   try {
     status = util::Subprocess::spawn({.argv = argv, .output = log}).wait();
   } catch (const IoError& e) {
-    throw InvalidArgument(detail::concat("cannot run ", argv[0], " (install Debian's sentencepiece package): ",
-                                         e.what()));
+    throw InvalidArgument(detail::concat("cannot run ", argv[0],
+                                         " (install Debian's sentencepiece package): ", e.what()));
   }
   LOOM_CHECK(status.ok(), InvalidArgument, argv[0], " ", status.describe(), "; see ", log.string());
 }
@@ -132,9 +134,10 @@ int build_text(const TextArgs& args) {
   if (args.tokenizer.empty()) {
     std::cerr << "training a BPE tokenizer of " << args.vocab_size << " pieces on " << docs.size()
               << " documents (log: " << log.string() << ")\n";
-    run_spm({"spm_train", "--input=" + corpus.string(), "--model_prefix=" + (out / "tokenizer").string(),
-             "--vocab_size=" + std::to_string(args.vocab_size), "--model_type=bpe", "--character_coverage=1.0",
-             "--unk_id=0", "--eos_id=1", "--bos_id=-1", "--pad_id=-1",
+    run_spm({"spm_train", "--input=" + corpus.string(),
+             "--model_prefix=" + (out / "tokenizer").string(),
+             "--vocab_size=" + std::to_string(args.vocab_size), "--model_type=bpe",
+             "--character_coverage=1.0", "--unk_id=0", "--eos_id=1", "--bos_id=-1", "--pad_id=-1",
              "--num_threads=" + std::to_string(std::max(1u, std::thread::hardware_concurrency()))},
             log);
     fs::remove(out / "tokenizer.vocab");
@@ -163,7 +166,8 @@ int build_text(const TextArgs& args) {
   for (size_t d = 0; d < docs.size(); ++d) {
     tokens.clear();
     for (size_t k = 0; k < doc_lines[d]; ++k, ++line) {
-      LOOM_CHECK(line < lines.size(), Error, "spm_encode returned ", lines.size(), " lines for ", line + 1);
+      LOOM_CHECK(line < lines.size(), Error, "spm_encode returned ", lines.size(), " lines for ",
+                 line + 1);
       tokens.insert(tokens.end(), lines[line].begin(), lines[line].end());
     }
     writer.add_document(tokens);
@@ -187,20 +191,29 @@ int build_fashion_mnist(const FashionArgs& args) {
   LOOM_CHECK(args.split == "train" || args.split == "test", InvalidArgument,
              "--split must be train or test, got ", args.split);
   const std::string prefix = args.split == "train" ? "train" : "t10k";
-  const fs::path images_path = args.images.empty() ? fs::path(args.dir) / (prefix + "-images-idx3-ubyte.gz") : fs::path(args.images);
-  const fs::path labels_path = args.labels.empty() ? fs::path(args.dir) / (prefix + "-labels-idx1-ubyte.gz") : fs::path(args.labels);
+  const fs::path images_path = args.images.empty()
+                                   ? fs::path(args.dir) / (prefix + "-images-idx3-ubyte.gz")
+                                   : fs::path(args.images);
+  const fs::path labels_path = args.labels.empty()
+                                   ? fs::path(args.dir) / (prefix + "-labels-idx1-ubyte.gz")
+                                   : fs::path(args.labels);
   const IdxArray images = read_idx(images_path, 3);
   const IdxArray labels = read_idx(labels_path, 1);
-  LOOM_CHECK(images.shape[0] == labels.shape[0], CorruptData, images_path.string(), " holds ", images.shape[0],
-             " images but ", labels_path.string(), " holds ", labels.shape[0], " labels");
+  LOOM_CHECK(images.shape[0] == labels.shape[0], CorruptData, images_path.string(), " holds ",
+             images.shape[0], " images but ", labels_path.string(), " holds ", labels.shape[0],
+             " labels");
   const int64_t n = images.shape[0], h = images.shape[1], w = images.shape[2];
   data::RecordDatasetWriter writer(
       args.out,
       {{"image", data::FieldType::kTensor, "uint8", {h, w}},
-       {"label", data::FieldType::kInt, "", {},
-        {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"}}},
-      {.description = "Fashion-MNIST " + args.split + ": " + images_path.filename().string() + ", " +
-                      labels_path.filename().string()});
+       {"label",
+        data::FieldType::kInt,
+        "",
+        {},
+        {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+         "Ankle boot"}}},
+      {.description = "Fashion-MNIST " + args.split + ": " + images_path.filename().string() +
+                      ", " + labels_path.filename().string()});
   Progress progress("writing records", static_cast<uint64_t>(n), "images");
   const size_t pixels = static_cast<size_t>(h * w);
   for (int64_t i = 0; i < n; ++i) {
@@ -251,7 +264,8 @@ data::Field infer_field(const std::string& name, const json& value) {
   if (value.is_number_float()) return {name, data::FieldType::kFloat};
   std::vector<int64_t> shape;
   bool integral = true;
-  if (array_shape(value, shape, integral)) return {name, data::FieldType::kTensor, integral ? "int64" : "float32"};
+  if (array_shape(value, shape, integral))
+    return {name, data::FieldType::kTensor, integral ? "int64" : "float32"};
   return {name, data::FieldType::kBytes};  // objects, null, ragged arrays: their JSON text
 }
 
@@ -266,7 +280,8 @@ int build_jsonl(const JsonlArgs& args) {
   auto parse = [&](size_t i) {
     try {
       json j = json::parse(lines[i]);
-      LOOM_CHECK(j.is_object(), InvalidArgument, args.input, ":", i + 1, ": a line must be a JSON object");
+      LOOM_CHECK(j.is_object(), InvalidArgument, args.input, ":", i + 1,
+                 ": a line must be a JSON object");
       return j;
     } catch (const json::parse_error& e) {
       throw InvalidArgument(detail::concat(args.input, ":", i + 1, ": not valid JSON: ", e.what()));
@@ -276,28 +291,40 @@ int build_jsonl(const JsonlArgs& args) {
   const json first = parse(0);
   for (const auto& [key, value] : first.items()) schema.push_back(infer_field(key, value));
 
-  data::RecordDatasetWriter writer(args.out, schema,
-                                   {.description = "jsonl: " + fs::path(args.input).filename().string()});
+  data::RecordDatasetWriter writer(
+      args.out, schema, {.description = "jsonl: " + fs::path(args.input).filename().string()});
   Progress progress("writing records", lines.size(), "lines");
   for (size_t i = 0; i < lines.size(); ++i) {
     const json j = parse(i);
-    LOOM_CHECK(j.size() == schema.size(), InvalidArgument, args.input, ":", i + 1, ": has ", j.size(),
-               " keys; the first line has ", schema.size());
+    LOOM_CHECK(j.size() == schema.size(), InvalidArgument, args.input, ":", i + 1, ": has ",
+               j.size(), " keys; the first line has ", schema.size());
     data::Record record;
     for (const data::Field& field : schema) {
-      LOOM_CHECK(j.contains(field.name), InvalidArgument, args.input, ":", i + 1, ": no key \"", field.name, "\"");
+      LOOM_CHECK(j.contains(field.name), InvalidArgument, args.input, ":", i + 1, ": no key \"",
+                 field.name, "\"");
       const json& v = j.at(field.name);
       const data::Field seen = infer_field(field.name, v);
-      const bool compatible = seen.type == field.type || (field.type == data::FieldType::kFloat && v.is_number()) ||
+      const bool compatible = seen.type == field.type ||
+                              (field.type == data::FieldType::kFloat && v.is_number()) ||
                               field.type == data::FieldType::kBytes;
-      LOOM_CHECK(compatible && (field.type != data::FieldType::kTensor || seen.type == data::FieldType::kTensor),
-                 InvalidArgument, args.input, ":", i + 1, ": key \"", field.name, "\" is ", v.type_name(),
-                 "; the first line makes it a ", field.dtype.empty() ? "" : field.dtype + " ", "field");
+      LOOM_CHECK(
+          compatible &&
+              (field.type != data::FieldType::kTensor || seen.type == data::FieldType::kTensor),
+          InvalidArgument, args.input, ":", i + 1, ": key \"", field.name, "\" is ", v.type_name(),
+          "; the first line makes it a ", field.dtype.empty() ? "" : field.dtype + " ", "field");
       switch (field.type) {
-        case data::FieldType::kText: record.text(v.get<std::string>()); break;
-        case data::FieldType::kInt: record.integer(v.is_boolean() ? v.get<bool>() : v.get<int64_t>()); break;
-        case data::FieldType::kFloat: record.real(v.get<double>()); break;
-        case data::FieldType::kBytes: record.bytes(v.dump()); break;
+        case data::FieldType::kText:
+          record.text(v.get<std::string>());
+          break;
+        case data::FieldType::kInt:
+          record.integer(v.is_boolean() ? v.get<bool>() : v.get<int64_t>());
+          break;
+        case data::FieldType::kFloat:
+          record.real(v.get<double>());
+          break;
+        case data::FieldType::kBytes:
+          record.bytes(v.dump());
+          break;
         case data::FieldType::kTensor: {
           std::vector<int64_t> shape;
           bool integral = true;
@@ -326,7 +353,8 @@ int build_jsonl(const JsonlArgs& args) {
 }  // namespace
 
 void register_data_build(CLI::App& data, Action& action) {
-  CLI::App* build = data.add_subcommand("build", "Build a dataset from text, Fashion-MNIST or JSONL.");
+  CLI::App* build =
+      data.add_subcommand("build", "Build a dataset from text, Fashion-MNIST or JSONL.");
   build->require_subcommand(1);
   build->footer(
       "Every build writes shards and then manifest.json, atomically; a directory without a\n"
@@ -334,15 +362,18 @@ void register_data_build(CLI::App& data, Action& action) {
       "content: the same input gives the same version.");
 
   auto text = std::make_shared<TextArgs>();
-  CLI::App* t = build->add_subcommand("text", "Tokenize text with SentencePiece into a token dataset.");
+  CLI::App* t =
+      build->add_subcommand("text", "Tokenize text with SentencePiece into a token dataset.");
   t->add_option("--input", text->inputs, "text file(s); - reads stdin")->required();
   t->add_option("--out", text->out, "the dataset directory to create")->required();
   t->add_option("--vocab-size", text->vocab_size, "pieces of the BPE model trained on the input")
       ->capture_default_str()
       ->check(CLI::Range(64, 1 << 20));
-  t->add_option("--tokenizer", text->tokenizer, "use this SentencePiece .model instead of training one")
+  t->add_option("--tokenizer", text->tokenizer,
+                "use this SentencePiece .model instead of training one")
       ->check(CLI::ExistingFile);
-  t->add_option("--docs", text->docs, "what a document is: paragraph (blank-line separated) or line")
+  t->add_option("--docs", text->docs,
+                "what a document is: paragraph (blank-line separated) or line")
       ->capture_default_str()
       ->check(CLI::IsMember({"paragraph", "line"}));
   t->add_option("--shard-tokens", text->shard_tokens, "tokens per shard")->capture_default_str();
@@ -356,9 +387,11 @@ void register_data_build(CLI::App& data, Action& action) {
   t->callback([text, &action] { action = [text] { return build_text(*text); }; });
 
   auto fashion = std::make_shared<FashionArgs>();
-  CLI::App* f = build->add_subcommand("fashion-mnist", "Fashion-MNIST IDX files into a record dataset.");
+  CLI::App* f =
+      build->add_subcommand("fashion-mnist", "Fashion-MNIST IDX files into a record dataset.");
   f->add_option("--out", fashion->out, "the dataset directory to create")->required();
-  f->add_option("--split", fashion->split, "train (60000 images) or test (10000)")->capture_default_str();
+  f->add_option("--split", fashion->split, "train (60000 images) or test (10000)")
+      ->capture_default_str();
   f->add_option("--dir", fashion->dir, "where the IDX files are (Debian's dataset-fashion-mnist)")
       ->capture_default_str();
   f->add_option("--images", fashion->images, "the images IDX file (overrides --dir/--split)");

@@ -30,19 +30,20 @@ IdxArray read_idx(const std::filesystem::path& path, uint32_t dims) {
   std::vector<uint8_t> bytes;
   uint8_t buffer[1 << 16];
   int n;
-  while ((n = gzread(file.get(), buffer, sizeof buffer)) > 0) bytes.insert(bytes.end(), buffer, buffer + n);
+  while ((n = gzread(file.get(), buffer, sizeof buffer)) > 0)
+    bytes.insert(bytes.end(), buffer, buffer + n);
   LOOM_CHECK(n == 0, CorruptData, "corrupt gzip stream in ", path.string());
   const size_t header = 4 + 4 * size_t{dims};
-  LOOM_CHECK(bytes.size() >= header && be32(bytes, 0) == (0x800u | dims), CorruptData, path.string(),
-             " is not a uint8 IDX file with ", dims, " dimension(s)");
+  LOOM_CHECK(bytes.size() >= header && be32(bytes, 0) == (0x800u | dims), CorruptData,
+             path.string(), " is not a uint8 IDX file with ", dims, " dimension(s)");
   IdxArray out;
   size_t total = 1;
   for (uint32_t d = 0; d < dims; ++d) {
     out.shape.push_back(be32(bytes, 4 + 4 * d));
     total *= static_cast<size_t>(out.shape.back());
   }
-  LOOM_CHECK(bytes.size() == header + total, CorruptData, path.string(), " holds ", bytes.size() - header,
-             " data bytes, its header promises ", total);
+  LOOM_CHECK(bytes.size() == header + total, CorruptData, path.string(), " holds ",
+             bytes.size() - header, " data bytes, its header promises ", total);
   out.data.assign(bytes.begin() + static_cast<std::ptrdiff_t>(header), bytes.end());
   return out;
 }

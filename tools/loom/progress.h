@@ -34,10 +34,12 @@ class Progress {
 
  private:
   void print(uint64_t done, const char* prefix, const char* suffix) const {
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     std::fprintf(stderr, "%s%s: %llu/%llu %s (%3.0f%%) %.1f s%s", prefix, what_.c_str(),
                  static_cast<unsigned long long>(done), static_cast<unsigned long long>(total_),
-                 unit_.c_str(), total_ ? 100.0 * static_cast<double>(done) / static_cast<double>(total_) : 100.0,
+                 unit_.c_str(),
+                 total_ ? 100.0 * static_cast<double>(done) / static_cast<double>(total_) : 100.0,
                  seconds, suffix);
     std::fflush(stderr);
   }

@@ -53,7 +53,8 @@ int run(RunArgs args) {
   const auto colon = args.nnodes.find(':');
   try {
     o.min_nodes = std::stoi(args.nnodes.substr(0, colon));
-    o.max_nodes = colon == std::string::npos ? o.min_nodes : std::stoi(args.nnodes.substr(colon + 1));
+    o.max_nodes =
+        colon == std::string::npos ? o.min_nodes : std::stoi(args.nnodes.substr(colon + 1));
   } catch (const std::exception&) {
     throw InvalidArgument("--nnodes must be N or MIN:MAX, got '" + args.nnodes + "'");
   }
@@ -61,35 +62,41 @@ int run(RunArgs args) {
              "--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '", args.nnodes, "'");
   // Slurm: one `loom run` per node (srun --ntasks-per-node=1 loom run ...).
   if (!env("SLURM_JOB_ID").empty() && !env("SLURM_NODEID").empty()) {
-    if (args.nnodes == "1" && !env("SLURM_NNODES").empty()) o.min_nodes = o.max_nodes = std::stoi(env("SLURM_NNODES"));
+    if (args.nnodes == "1" && !env("SLURM_NNODES").empty())
+      o.min_nodes = o.max_nodes = std::stoi(env("SLURM_NNODES"));
     if (args.node_rank < 0) args.node_rank = std::stoi(env("SLURM_NODEID"));
     if (args.coordinator.empty() && !env("SLURM_JOB_NODELIST").empty()) {
       args.coordinator = first_slurm_host(env("SLURM_JOB_NODELIST")) + ":29400";
     }
     if (args.nproc_per_node == 0 && !env("SLURM_NTASKS_PER_NODE").empty()) {
-      args.nproc_per_node = std::stoi(env("SLURM_NTASKS_PER_NODE").substr(0, env("SLURM_NTASKS_PER_NODE").find('(')));
+      args.nproc_per_node =
+          std::stoi(env("SLURM_NTASKS_PER_NODE").substr(0, env("SLURM_NTASKS_PER_NODE").find('(')));
     }
   }
   o.nproc_per_node = args.nproc_per_node == 0 ? 1 : args.nproc_per_node;
   o.node_rank = args.node_rank;
   o.coordinator = args.coordinator;
   o.host_coordinator = !args.coordinator.empty() && args.node_rank == 0;
-  LOOM_CHECK(!args.coordinator.empty() || o.max_nodes == 1, InvalidArgument,
-             "more than one node needs --coordinator host:port (node 0 hosts it, the others join it)");
+  LOOM_CHECK(
+      !args.coordinator.empty() || o.max_nodes == 1, InvalidArgument,
+      "more than one node needs --coordinator host:port (node 0 hosts it, the others join it)");
   o.coordinator_public = args.coordinator_public;
   o.token = env("LOOM_JOB_TOKEN");
   const bool hosts = o.host_coordinator || o.coordinator.empty();
   if (o.token.empty() && hosts && (o.max_nodes == 1 || o.coordinator_public)) {
     o.token = control::generate_token();
     if (o.max_nodes > 1) {
-      std::cerr << "[loom run] job token generated; start the other nodes with LOOM_JOB_TOKEN=" << o.token << "\n";
+      std::cerr << "[loom run] job token generated; start the other nodes with LOOM_JOB_TOKEN="
+                << o.token << "\n";
     }
   }
   LOOM_CHECK(!o.token.empty() || !o.coordinator_public, InvalidArgument,
              "a public coordinator needs the job token: set LOOM_JOB_TOKEN on every node");
   o.max_restarts = args.max_restarts;
   o.run_dir = args.run_dir;
-  const auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); };
+  const auto ms = [](double s) {
+    return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+  };
   o.grace = ms(args.grace_s);
   o.rendezvous_timeout = ms(args.rendezvous_timeout_s);
   o.node_timeout = ms(args.node_timeout_s);
@@ -102,41 +109,67 @@ int run(RunArgs args) {
 
 void register_run(CLI::App& app, Action& action) {
   auto args = std::make_shared<RunArgs>();
-  CLI::App* run_cmd = app.add_subcommand("run", "Launch a training program on this node's workers (torchrun-like).");
-  run_cmd->add_option("--nnodes", args->nnodes, "nodes: N, or MIN:MAX for an elastic job")->capture_default_str();
-  run_cmd->add_option("--nproc-per-node", args->nproc_per_node, "workers on this node (default 1, or Slurm's)")
+  CLI::App* run_cmd = app.add_subcommand(
+      "run", "Launch a training program on this node's workers (torchrun-like).");
+  run_cmd->add_option("--nnodes", args->nnodes, "nodes: N, or MIN:MAX for an elastic job")
+      ->capture_default_str();
+  run_cmd
+      ->add_option("--nproc-per-node", args->nproc_per_node,
+                   "workers on this node (default 1, or Slurm's)")
       ->check(CLI::Range(0, 4096));
-  run_cmd->add_option("--node-rank", args->node_rank, "this node's rank; node 0 hosts the coordinator");
-  run_cmd->add_option("--coordinator", args->coordinator,
-                      "host:port of the coordinator (node 0 listens there); single node: any free port");
-  run_cmd->add_flag("--coordinator-public", args->coordinator_public,
-                    "allow the coordinator to listen beyond loopback (every RPC then needs LOOM_JOB_TOKEN)");
-  run_cmd->add_option("--max-restarts", args->max_restarts, "worker failures tolerated (each restarts all workers)")
+  run_cmd->add_option("--node-rank", args->node_rank,
+                      "this node's rank; node 0 hosts the coordinator");
+  run_cmd->add_option(
+      "--coordinator", args->coordinator,
+      "host:port of the coordinator (node 0 listens there); single node: any free port");
+  run_cmd->add_flag(
+      "--coordinator-public", args->coordinator_public,
+      "allow the coordinator to listen beyond loopback (every RPC then needs LOOM_JOB_TOKEN)");
+  run_cmd
+      ->add_option("--max-restarts", args->max_restarts,
+                   "worker failures tolerated (each restarts all workers)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  run_cmd->add_option("--run-dir", args->run_dir, "logs/worker_<rank>.out go here; workers get LOOM_RUN_DIR")
+  run_cmd
+      ->add_option("--run-dir", args->run_dir,
+                   "logs/worker_<rank>.out go here; workers get LOOM_RUN_DIR")
       ->capture_default_str();
-  run_cmd->add_option("--grace-period", args->grace_s, "seconds between SIGTERM and SIGKILL when stopping workers")
+  run_cmd
+      ->add_option("--grace-period", args->grace_s,
+                   "seconds between SIGTERM and SIGKILL when stopping workers")
       ->capture_default_str();
-  run_cmd->add_option("--rendezvous-timeout", args->rendezvous_timeout_s, "seconds to wait for the nodes to join")
+  run_cmd
+      ->add_option("--rendezvous-timeout", args->rendezvous_timeout_s,
+                   "seconds to wait for the nodes to join")
       ->capture_default_str();
-  run_cmd->add_option("--node-timeout", args->node_timeout_s, "seconds of agent silence before its node is lost")
+  run_cmd
+      ->add_option("--node-timeout", args->node_timeout_s,
+                   "seconds of agent silence before its node is lost")
       ->capture_default_str();
-  run_cmd->add_option("--worker-timeout", args->worker_timeout_s,
-                      "seconds of silence from a worker that heartbeats before it counts as hung")
+  run_cmd
+      ->add_option("--worker-timeout", args->worker_timeout_s,
+                   "seconds of silence from a worker that heartbeats before it counts as hung")
       ->capture_default_str();
-  run_cmd->add_option("--last-call", args->last_call_s,
-                      "elastic: seconds to wait for more nodes once MIN have joined")
+  run_cmd
+      ->add_option("--last-call", args->last_call_s,
+                   "elastic: seconds to wait for more nodes once MIN have joined")
       ->capture_default_str();
-  run_cmd->add_option("program", args->program, "the program and its arguments (after --)")->required();
+  run_cmd->add_option("program", args->program, "the program and its arguments (after --)")
+      ->required();
   run_cmd->footer(
       "Examples:\n"
-      "  loom run --nproc-per-node 2 -- build/examples/fashion_mnist --config=examples/fashion_mnist/config.toml\n"
-      "  node 0: loom run --nnodes 2 --node-rank 0 --coordinator 10.0.0.1:29400 --coordinator-public -- prog\n"
-      "  node 1: LOOM_JOB_TOKEN=<printed by node 0> loom run --nnodes 2 --node-rank 1 --coordinator 10.0.0.1:29400 -- prog\n"
-      "Each worker gets LOOM_RANK, LOOM_WORLD_SIZE, LOOM_LOCAL_RANK, LOOM_COORDINATOR, LOOM_GENERATION,\n"
-      "LOOM_JOB_TOKEN and torchrun's RANK, WORLD_SIZE, LOCAL_RANK; its output is prefixed [rank r] and\n"
-      "kept in <run-dir>/logs. A failed worker restarts all workers (up to --max-restarts); the exit\n"
+      "  loom run --nproc-per-node 2 -- build/examples/fashion_mnist "
+      "--config=examples/fashion_mnist/config.toml\n"
+      "  node 0: loom run --nnodes 2 --node-rank 0 --coordinator 10.0.0.1:29400 "
+      "--coordinator-public -- prog\n"
+      "  node 1: LOOM_JOB_TOKEN=<printed by node 0> loom run --nnodes 2 --node-rank 1 "
+      "--coordinator 10.0.0.1:29400 -- prog\n"
+      "Each worker gets LOOM_RANK, LOOM_WORLD_SIZE, LOOM_LOCAL_RANK, LOOM_COORDINATOR, "
+      "LOOM_GENERATION,\n"
+      "LOOM_JOB_TOKEN and torchrun's RANK, WORLD_SIZE, LOCAL_RANK; its output is prefixed [rank r] "
+      "and\n"
+      "kept in <run-dir>/logs. A failed worker restarts all workers (up to --max-restarts); the "
+      "exit\n"
       "code is the first failure's. SIGINT/SIGTERM stop the workers gracefully. docs/launcher.md.");
   run_cmd->callback([args, &action] { action = [args] { return run(*args); }; });
 }

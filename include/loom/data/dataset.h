@@ -32,8 +32,8 @@ enum class FieldType {
 struct Field {
   std::string name;
   FieldType type = FieldType::kBytes;
-  std::string dtype;                 // kTensor only: uint8, int32, int64, float32, float64, bfloat16
-  std::vector<int64_t> shape;        // kTensor only: the shape every record has; empty = per record
+  std::string dtype;           // kTensor only: uint8, int32, int64, float32, float64, bfloat16
+  std::vector<int64_t> shape;  // kTensor only: the shape every record has; empty = per record
   std::vector<std::string> classes;  // kInt only, optional: names of the values 0, 1, ...
 };
 
@@ -53,9 +53,9 @@ struct Manifest {
   std::string version;  // 16 hex digits: xxHash64 of the manifest's content (all but this field)
   std::vector<ShardInfo> shards;
   // Token datasets.
-  uint64_t vocab_size = 0;   // token ids are < vocab_size
-  int64_t eos_id = -1;       // appended after every document, or -1 for none
-  std::string tokenizer;     // file in the dataset directory (a SentencePiece model) or ""
+  uint64_t vocab_size = 0;  // token ids are < vocab_size
+  int64_t eos_id = -1;      // appended after every document, or -1 for none
+  std::string tokenizer;    // file in the dataset directory (a SentencePiece model) or ""
   // Record datasets.
   std::vector<Field> schema;
   // Free-form description (source files, builder); part of the version.
@@ -84,10 +84,10 @@ class Record {
 
   struct Value {
     FieldType type;
-    std::string bytes;            // kBytes, kText, kTensor: the data
-    int64_t integer = 0;          // kInt
-    double real = 0;              // kFloat
-    std::vector<int64_t> shape;   // kTensor
+    std::string bytes;           // kBytes, kText, kTensor: the data
+    int64_t integer = 0;         // kInt
+    double real = 0;             // kFloat
+    std::vector<int64_t> shape;  // kTensor
   };
   const std::vector<Value>& values() const { return values_; }
 
@@ -157,10 +157,10 @@ class RecordDatasetWriter {
 // The result of verify_dataset: ok, or the first problem found.
 struct VerifyReport {
   bool ok = true;
-  std::string problem;      // what is wrong and what to do, when !ok
-  std::string file;         // the shard at fault
-  int64_t record = -1;      // the bad record (record shards), or -1
-  int64_t offset = -1;      // its byte offset in the file, or -1
+  std::string problem;  // what is wrong and what to do, when !ok
+  std::string file;     // the shard at fault
+  int64_t record = -1;  // the bad record (record shards), or -1
+  int64_t offset = -1;  // its byte offset in the file, or -1
   uint64_t bytes_checked = 0;
 };
 

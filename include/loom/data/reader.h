@@ -34,25 +34,25 @@ enum class TokenSampling {
 };
 
 struct ReaderOptions {
-  int64_t batch_size = 1;                     // samples per rank per step
-  int64_t seq_len = 0;                        // token datasets: T (samples hold T + 1 tokens)
+  int64_t batch_size = 1;  // samples per rank per step
+  int64_t seq_len = 0;     // token datasets: T (samples hold T + 1 tokens)
   TokenSampling sampling = TokenSampling::kPacked;
-  int64_t pad_id = 0;                         // kDocument: fills samples shorter than T + 1
-  uint64_t seed = 0;                          // keys the order; the same on every rank
-  int rank = 0;                               // this rank, in [0, world_size)
-  int world_size = 1;                         // ranks reading together
-  EpochEnd epoch_end = EpochEnd::kDropLast;   // what happens to an epoch's last partial batch
-  int prefetch = 2;                           // batches prepared ahead by a background thread; 0 = none
-  bool verify_hashes = false;                 // hash every shard at open (reads the whole dataset)
+  int64_t pad_id = 0;                        // kDocument: fills samples shorter than T + 1
+  uint64_t seed = 0;                         // keys the order; the same on every rank
+  int rank = 0;                              // this rank, in [0, world_size)
+  int world_size = 1;                        // ranks reading together
+  EpochEnd epoch_end = EpochEnd::kDropLast;  // what happens to an epoch's last partial batch
+  int prefetch = 2;            // batches prepared ahead by a background thread; 0 = none
+  bool verify_hashes = false;  // hash every shard at open (reads the whole dataset)
 };
 
 // One rank's samples for one step.
 struct Batch {
-  std::map<std::string, at::Tensor> tensors;               // see the file comment
+  std::map<std::string, at::Tensor> tensors;                // see the file comment
   std::map<std::string, std::vector<std::string>> strings;  // text and bytes fields
-  std::vector<uint64_t> indices;  // the dataset sample index of each row
-  int64_t num_real = 0;           // rows [0, num_real) are real; the rest are padding
-  uint64_t epoch = 0;             // the epoch these samples belong to
+  std::vector<uint64_t> indices;                            // the dataset sample index of each row
+  int64_t num_real = 0;  // rows [0, num_real) are real; the rest are padding
+  uint64_t epoch = 0;    // the epoch these samples belong to
   // The tensor named `name`; InvalidArgument naming the batch's tensors when absent.
   const at::Tensor& operator[](const std::string& name) const;
 };

@@ -43,18 +43,18 @@ enum class NonFinite {
 };
 
 struct TrainOptions {
-  int64_t steps = 1000;          // optimizer steps of the whole run (a resumed run counts on)
-  int64_t micro_batches = 1;     // gradient accumulation: each rank's batch is split in this many
-  double grad_clip = 1.0;        // max global gradient norm; 0 = no clipping (the norm is logged)
+  int64_t steps = 1000;       // optimizer steps of the whole run (a resumed run counts on)
+  int64_t micro_batches = 1;  // gradient accumulation: each rank's batch is split in this many
+  double grad_clip = 1.0;     // max global gradient norm; 0 = no clipping (the norm is logged)
   Schedule schedule = Schedule::constant(1e-3);
   int64_t eval_every = 0;        // Callbacks::on_eval every this many steps; 0 = never
   int64_t checkpoint_every = 0;  // async checkpoint every this many steps; 0 = only at the end
   int keep_last = 3;             // committed checkpoints kept (plus none kept by step)
   bool overlap_checkpoint_copy = true;  // copy the state during the next step's compute
   NonFinite on_non_finite = NonFinite::kStop;
-  int64_t log_every = 10;        // a metrics log line every this many steps (without a TTY)
-  double flops_per_token = 0;    // the model's training FLOPs per token, for MFU; 0 = no MFU
-  bool resume = true;            // resume from the newest committed checkpoint
+  int64_t log_every = 10;      // a metrics log line every this many steps (without a TTY)
+  double flops_per_token = 0;  // the model's training FLOPs per token, for MFU; 0 = no MFU
+  bool resume = true;          // resume from the newest committed checkpoint
   std::chrono::milliseconds checkpoint_timeout{std::chrono::minutes(10)};
 
   // The train.* configuration keys (train.steps, train.lr, ...), with their defaults and help.
@@ -76,23 +76,23 @@ using LossFn = std::function<MicroStep(const data::Batch& micro_batch)>;
 
 // What on_step_end sees.
 struct StepInfo {
-  int64_t step = 0;        // 0-based index of the step just finished
-  double loss = 0;         // the mean over every rank's micro-batches
-  double local_loss = 0;   // this rank's mean (bitwise reproducible on this rank)
+  int64_t step = 0;       // 0-based index of the step just finished
+  double loss = 0;        // the mean over every rank's micro-batches
+  double local_loss = 0;  // this rank's mean (bitwise reproducible on this rank)
   double lr = 0;
-  double grad_norm = 0;    // before clipping
-  bool skipped = false;    // not applied: the gradient norm was not finite (NonFinite::kSkip)
+  double grad_norm = 0;  // before clipping
+  bool skipped = false;  // not applied: the gradient norm was not finite (NonFinite::kSkip)
 };
 
 struct Callbacks {
-  std::function<void(int64_t step)> on_eval;            // after step `step` (every rank calls it)
+  std::function<void(int64_t step)> on_eval;              // after step `step` (every rank calls it)
   std::function<void(const StepInfo& info)> on_step_end;  // after every step
 };
 
 struct FitResult {
-  int64_t start_step = 0;        // where this run began (> 0 when it resumed)
-  int64_t steps_done = 0;        // steps completed in total (the next step's index)
-  int64_t skipped_steps = 0;     // in this run, NonFinite::kSkip
+  int64_t start_step = 0;          // where this run began (> 0 when it resumed)
+  int64_t steps_done = 0;          // steps completed in total (the next step's index)
+  int64_t skipped_steps = 0;       // in this run, NonFinite::kSkip
   bool stopped_by_signal = false;  // SIGTERM/SIGINT: the step finished and a checkpoint was saved
   double last_loss = 0;
 };

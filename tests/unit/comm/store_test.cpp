@@ -62,7 +62,7 @@ using Backends = ::testing::Types<InMemoryBackend, FileBackend, PrefixBackend<In
                                   PrefixBackend<FileBackend>, CoordinatorBackend>;
 #else
 using Backends = ::testing::Types<InMemoryBackend, FileBackend, PrefixBackend<InMemoryBackend>,
-                                  PrefixBackend<FileBackend>>;
+                                  PrefixBackend<FileBackend> >;
 #endif
 TYPED_TEST_SUITE(StoreTest, Backends);
 

@@ -33,7 +33,8 @@ TEST(Coordinator, RefusesAWrongOrMissingToken) {
 TEST(Coordinator, ListensBeyondLoopbackOnlyWhenAllowedAndWithAToken) {
   auto message = error_of<InvalidArgument>([] { Coordinator({.address = "0.0.0.0:0"}); });
   EXPECT_NE(message.find("--coordinator-public"), std::string::npos) << message;
-  message = error_of<InvalidArgument>([] { Coordinator({.address = "0.0.0.0:0", .allow_non_loopback = true}); });
+  message = error_of<InvalidArgument>(
+      [] { Coordinator({.address = "0.0.0.0:0", .allow_non_loopback = true}); });
   EXPECT_NE(message.find("token"), std::string::npos) << message;
   Coordinator open({.address = "0.0.0.0:0", .allow_non_loopback = true, .token = generate_token()});
   EXPECT_NE(open.address().find(':'), std::string::npos);
@@ -62,7 +63,8 @@ TEST(Coordinator, ARoundAssignsNodeRanksAndRankOffsets) {
   const int nprocs[] = {2, 3, 1};
   for (int i = 0; i < 3; ++i) {
     // Hints order the nodes: agent i asks for node rank 2 - i.
-    agents.emplace_back([&, i] { replies[i] = join(client, "node" + std::to_string(i), nprocs[i], 2 - i); });
+    agents.emplace_back(
+        [&, i] { replies[i] = join(client, "node" + std::to_string(i), nprocs[i], 2 - i); });
   }
   for (auto& t : agents) t.join();
   for (int i = 0; i < 3; ++i) {
@@ -112,13 +114,16 @@ TEST(Coordinator, ASilentWorkerEndsItsGeneration) {
   worker.set_generation(1);
   worker.set_step(12);
   client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, worker);
-  const auto status = client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
+  const auto status =
+      client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
   ASSERT_EQ(status.workers_size(), 1);
   EXPECT_EQ(status.workers(0).step(), 12);
   std::this_thread::sleep_for(milliseconds(800));
-  const auto after = client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
+  const auto after =
+      client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
   EXPECT_EQ(after.state(), v1::ENDED);
-  EXPECT_NE(after.last_failure().find("rank 0 missed heartbeats"), std::string::npos) << after.last_failure();
+  EXPECT_NE(after.last_failure().find("rank 0 missed heartbeats"), std::string::npos)
+      << after.last_failure();
 }
 
 }  // namespace

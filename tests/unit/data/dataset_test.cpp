@@ -87,8 +87,9 @@ TEST(TokenDataset, RoundTripAcrossShardsWith16And32BitTokens) {
 TEST(TokenDataset, DocumentSamplingCutsPadsAndMasks) {
   TempDir dir;
   write_counting_tokens(dir.path() / "ds", {3, 12, 5});
-  Reader reader(dir.path() / "ds",
-                {.batch_size = 3, .seq_len = 4, .sampling = TokenSampling::kDocument, .pad_id = -1});
+  Reader reader(
+      dir.path() / "ds",
+      {.batch_size = 3, .seq_len = 4, .sampling = TokenSampling::kDocument, .pad_id = -1});
   EXPECT_EQ(reader.num_samples(), 3u);
   Batch b = reader.read({0, 1, 2});
   auto tokens = b["tokens"];
@@ -121,8 +122,8 @@ TEST(TokenDataset, VersionNamesTheContent) {
 TEST(TokenDataset, RefusesToOverwriteADataset) {
   TempDir dir;
   write_counting_tokens(dir.path() / "ds", {5});
-  auto message = error_of<InvalidArgument>(
-      [&] { TokenDatasetWriter(dir.path() / "ds", {.vocab_size = 10}); });
+  auto message =
+      error_of<InvalidArgument>([&] { TokenDatasetWriter(dir.path() / "ds", {.vocab_size = 10}); });
   EXPECT_NE(message.find("already holds a dataset"), std::string::npos) << message;
 }
 

@@ -54,7 +54,8 @@ TEST(Reader, RanksSplitEachGlobalBatchAndCoverTheEpoch) {
   std::vector<std::unique_ptr<Reader>> readers;
   for (int r = 0; r < world; ++r) {
     readers.push_back(std::make_unique<Reader>(
-        ds, ReaderOptions{.batch_size = 5, .seq_len = 10, .seed = 7, .rank = r, .world_size = world}));
+        ds,
+        ReaderOptions{.batch_size = 5, .seq_len = 10, .seed = 7, .rank = r, .world_size = world}));
   }
   std::multiset<uint64_t> seen;
   const uint64_t steps = readers[0]->steps_per_epoch();
@@ -68,7 +69,8 @@ TEST(Reader, RanksSplitEachGlobalBatchAndCoverTheEpoch) {
     EXPECT_EQ(readers[0]->state(), readers[2]->state());
   }
   EXPECT_EQ(seen.size(), steps * 15);
-  EXPECT_EQ(std::set<uint64_t>(seen.begin(), seen.end()).size(), seen.size()) << "a sample repeated";
+  EXPECT_EQ(std::set<uint64_t>(seen.begin(), seen.end()).size(), seen.size())
+      << "a sample repeated";
   EXPECT_EQ(readers[1]->next().epoch, 1u);
 }
 
@@ -120,19 +122,25 @@ TEST(Reader, ResumeAtAnyWorldSizeNeitherRepeatsNorSkips) {
     const auto ds = counting_dataset(dir, tokens, ("ds" + std::to_string(trial)).c_str());
     const int64_t seq = 1 + static_cast<int64_t>(rng() % 12);
     const int w1 = 1 + static_cast<int>(rng() % 4), w2 = 1 + static_cast<int>(rng() % 4);
-    const int64_t b1 = 1 + static_cast<int64_t>(rng() % 6), b2 = 1 + static_cast<int64_t>(rng() % 6);
+    const int64_t b1 = 1 + static_cast<int64_t>(rng() % 6),
+                  b2 = 1 + static_cast<int64_t>(rng() % 6);
     const uint64_t seed = rng();
     auto make = [&](int world, int64_t batch) {
       std::vector<std::unique_ptr<Reader>> readers;
       for (int r = 0; r < world; ++r) {
-        readers.push_back(std::make_unique<Reader>(
-            ds, ReaderOptions{.batch_size = batch, .seq_len = seq, .seed = seed, .rank = r,
-                              .world_size = world, .epoch_end = EpochEnd::kPad, .prefetch = 2}));
+        readers.push_back(std::make_unique<Reader>(ds, ReaderOptions{.batch_size = batch,
+                                                                     .seq_len = seq,
+                                                                     .seed = seed,
+                                                                     .rank = r,
+                                                                     .world_size = world,
+                                                                     .epoch_end = EpochEnd::kPad,
+                                                                     .prefetch = 2}));
       }
       return readers;
     };
-    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": tokens " << tokens << " seq " << seq
-                                      << " W " << w1 << "->" << w2 << " B " << b1 << "->" << b2);
+    SCOPED_TRACE(::testing::Message()
+                 << "trial " << trial << ": tokens " << tokens << " seq " << seq << " W " << w1
+                 << "->" << w2 << " B " << b1 << "->" << b2);
     auto before = make(w1, b1);
     const uint64_t n = before[0]->num_samples();
     const uint64_t k = rng() % (before[0]->steps_per_epoch() + 1);
@@ -164,7 +172,8 @@ TEST(Reader, RanksAsThreadsAgreeOnTheGlobalBatch) {
   const int world = 4;
   std::vector<std::vector<uint64_t>> per_rank(world);
   testing::expect_all_ok(testing::run_threads(world, [&](testing::Rank& r) {
-    Reader reader(ds, {.batch_size = 3, .seq_len = 8, .seed = 11, .rank = r.rank, .world_size = world});
+    Reader reader(ds,
+                  {.batch_size = 3, .seq_len = 8, .seed = 11, .rank = r.rank, .world_size = world});
     for (int s = 0; s < 20; ++s) {
       for (uint64_t v : samples_of(reader.next(), 8)) per_rank[r.rank].push_back(v);
     }
