@@ -275,13 +275,17 @@ comm::Group& Runtime::world_group() const {
   std::lock_guard<std::mutex> lock(impl.mutex);
   if (!impl.world_group) {
     const Topology& t = impl.topology;
+    // `loom run` tells each worker the address its node reaches the other nodes by.
+    const std::string advertise = env_str("LOOM_ADVERTISE_ADDR");
     if (impl.device.is_cuda()) {
       impl.world_group = comm::new_nccl_group(
           s, t.rank, t.world_size,
           {.device = impl.device.index(), .flight_dump_dir = impl.run_dir / "flight"});
     } else {
-      impl.world_group = comm::new_gloo_group(s, t.rank, t.world_size,
-                                              {.flight_dump_dir = impl.run_dir / "flight"});
+      impl.world_group =
+          comm::new_gloo_group(s, t.rank, t.world_size,
+                               {.hostname = advertise.empty() ? "127.0.0.1" : advertise,
+                                .flight_dump_dir = impl.run_dir / "flight"});
     }
   }
   return *impl.world_group;

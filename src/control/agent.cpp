@@ -2,8 +2,12 @@
 // coordinator, stop and restart when the generation ends.
 #include "control/agent.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -83,6 +87,31 @@ void pump_output(std::vector<Worker>& workers) {
   }
 }
 
+// The address of this host that faces `coordinator` (host:port): the local end of a UDP
+// socket connected towards it (nothing is sent). Workers advertise it to their peers, so that
+// collectives work across nodes; "127.0.0.1" when it cannot be found.
+std::string advertise_address(const std::string& coordinator) {
+  const std::string host = coordinator.substr(0, coordinator.rfind(':'));
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || found == nullptr) return "127.0.0.1";
+  std::string address = "127.0.0.1";
+  util::UniqueFd fd(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (fd.get() >= 0 && ::connect(fd.get(), found->ai_addr, found->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t len = sizeof local;
+    char text[INET_ADDRSTRLEN] = {};
+    if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof text) != nullptr) {
+      address = text;
+    }
+  }
+  ::freeaddrinfo(found);
+  return address;
+}
+
 class Agent {
  public:
   explicit Agent(const AgentOptions& options) : options_(options) {
@@ -112,6 +141,7 @@ class Agent {
       address_ = options.coordinator;
     }
     client_ = std::make_unique<CoordinatorClient>(address_, options.token, milliseconds(10000));
+    advertise_ = advertise_address(address_);
     std::filesystem::create_directories(options.run_dir / "logs");
   }
 
@@ -176,6 +206,7 @@ class Agent {
             {"LOOM_RESTART_COUNT", s(round.restarts())},
             {"LOOM_JOB_TOKEN", options_.token},
             {"LOOM_RUN_DIR", options_.run_dir.string()},
+            {"LOOM_ADVERTISE_ADDR", advertise_},
             // torchrun's names, for programs written against them. MASTER_ADDR/MASTER_PORT are
             // not set: they name a c10d TCPStore, and the coordinator speaks gRPC.
             {"RANK", s(rank)},
@@ -326,6 +357,7 @@ class Agent {
   const AgentOptions& options_;
   std::string node_id_;
   std::string address_;
+  std::string advertise_;  // this node's address towards the coordinator, for the workers
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<CoordinatorClient> client_;
   // Owned by the agent's thread.

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -225,6 +226,77 @@ TEST_F(Launcher, WrongTokenIsRefused) {
   node0.process.signal(SIGTERM);
   EXPECT_EQ(finish(node0), 128 + SIGTERM) << node0.text();
   EXPECT_NE(node0.text().find("refused Join"), std::string::npos) << node0.text();
+}
+
+// Two network namespaces joined by a veth pair: each "node" has its own address, as on two
+// machines. Needs root (ip netns); skipped otherwise.
+class NetworkNamespaces {
+ public:
+  NetworkNamespaces() {
+    const std::string id = std::to_string(::getpid() % 100000);
+    ns_ = {"loom-a-" + id, "loom-b-" + id};
+    const std::string va = "lma" + id, vb = "lmb" + id;
+    ok_ = sh("ip netns add " + ns_[0]) && sh("ip netns add " + ns_[1]) &&
+          sh("ip link add " + va + " type veth peer name " + vb) &&
+          sh("ip link set " + va + " netns " + ns_[0]) &&
+          sh("ip link set " + vb + " netns " + ns_[1]) &&
+          in(0, "ip addr add 10.231.0.1/24 dev " + va) &&
+          in(1, "ip addr add 10.231.0.2/24 dev " + vb) && in(0, "ip link set " + va + " up") &&
+          in(1, "ip link set " + vb + " up") && in(0, "ip link set lo up") &&
+          in(1, "ip link set lo up");
+  }
+  ~NetworkNamespaces() {
+    for (const auto& ns : ns_) sh("ip netns del " + ns);
+  }
+  bool ok() const { return ok_; }
+  const std::string& name(int i) const { return ns_[static_cast<size_t>(i)]; }
+
+ private:
+  static bool sh(const std::string& command) {
+    return std::system((command + " >/dev/null 2>&1").c_str()) == 0;
+  }
+  bool in(int i, const std::string& command) {
+    return sh("ip netns exec " + name(i) + " " + command);
+  }
+  std::vector<std::string> ns_;
+  bool ok_ = false;
+};
+
+TEST_F(Launcher, NodesInSeparateNetworkNamespaces) {
+  NetworkNamespaces net;
+  if (!net.ok()) GTEST_SKIP() << "cannot create network namespaces (needs root and iproute2)";
+  TempDir dir;
+  const std::string coordinator = "10.231.0.1:" + std::to_string(free_port());
+  const std::map<std::string, std::string> token = {{"LOOM_JOB_TOKEN", "netns-test-token"}};
+  std::vector<Launch> nodes;
+  for (int node = 0; node < 2; ++node) {
+    std::vector<std::string> argv = {"ip",
+                                     "netns",
+                                     "exec",
+                                     net.name(node),
+                                     kLoom,
+                                     "run",
+                                     "--run-dir",
+                                     (dir / "run").string(),
+                                     "--nnodes",
+                                     "2",
+                                     "--nproc-per-node",
+                                     "2",
+                                     "--node-rank",
+                                     std::to_string(node),
+                                     "--coordinator",
+                                     coordinator};
+    if (node == 0) argv.push_back("--coordinator-public");
+    argv.insert(argv.end(), {"--", kProbe});
+    const fs::path output = dir / ("node" + std::to_string(node) + ".out");
+    nodes.push_back(
+        {util::Subprocess::spawn({.argv = argv, .env = token, .output = output}), output});
+  }
+  EXPECT_EQ(finish(nodes[1]), 0) << nodes[1].text();
+  EXPECT_EQ(finish(nodes[0]), 0) << nodes[0].text();
+  const auto probes = wait_probes(dir, 1, 4, std::chrono::seconds(1));
+  ASSERT_EQ(probes.size(), 4u) << nodes[0].text() << nodes[1].text();
+  for (const json& p : probes) EXPECT_EQ(p["sum"], 10.0);
 }
 
 TEST_F(Launcher, BadArgumentsAreClearErrors) {
