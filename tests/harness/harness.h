@@ -80,6 +80,19 @@ struct ProgramResult {
 ProgramResult run_program(const std::vector<std::string>& argv,
                           const std::filesystem::path& scratch_dir);
 
+#ifdef LOOM_BINARY_DIR
+// Runs the built `loom` tool with `args` in `dir` (test binaries know the build directory).
+inline ProgramResult run_loom(const TempDir& dir, std::vector<std::string> args) {
+  args.insert(args.begin(), LOOM_BINARY_DIR "/tools/loom/loom");
+  return run_program(args, dir.path());
+}
+#endif
+
+// Whether `text` contains `part`; for checking program output and error messages.
+inline bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
 // The message of the exception `fn` throws, which must be of type E; a
 // GoogleTest failure when it throws nothing.
 template <typename E, typename Fn>

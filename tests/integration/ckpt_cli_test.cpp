@@ -12,15 +12,8 @@
 namespace loom {
 namespace {
 
-testing::ProgramResult run_loom(const testing::TempDir& dir, std::vector<std::string> args) {
-  std::vector<std::string> argv = {LOOM_BINARY_DIR "/tools/loom/loom"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return testing::run_program(argv, dir.path());
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using testing::contains;
+using testing::run_loom;
 
 std::filesystem::path make_checkpoints(const testing::TempDir& dir) {
   comm::InMemoryStore store;

@@ -10,15 +10,8 @@
 namespace loom {
 namespace {
 
-testing::ProgramResult run_loom(const testing::TempDir& dir, std::vector<std::string> args) {
-  std::vector<std::string> argv = {LOOM_BINARY_DIR "/tools/loom/loom"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return testing::run_program(argv, dir.path());
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using testing::contains;
+using testing::run_loom;
 
 // Two ranks that issued six all-reduces; rank 1 then issues nothing more when `diverge`.
 std::filesystem::path write_dumps(const testing::TempDir& dir, bool diverge) {
