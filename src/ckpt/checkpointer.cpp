@@ -11,6 +11,7 @@
 #include "loom/ckpt/checkpointer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -99,7 +100,13 @@ struct SaveHandle::Job {
         end_of_previous = p.offset + p.bytes;
         const at::Tensor& src = pending[i];
         if (src.device().is_cpu() && src.is_contiguous()) {
-          std::memcpy(staging + p.offset, src.data_ptr(), p.bytes);  // ~2x copy_'s speed here
+          // memcpy in 8 MiB blocks over torch's intra-op threads: training is stalled anyway.
+          const char* from = static_cast<const char*>(src.data_ptr());
+          char* to = staging + p.offset;
+          at::parallel_for(
+              0, static_cast<int64_t>(p.bytes), int64_t{8} << 20, [&](int64_t begin, int64_t end) {
+                std::memcpy(to + begin, from + begin, static_cast<size_t>(end - begin));
+              });
         } else {  // strided or on a device: torch copies (and moves to the CPU)
           at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU)).copy_(src);
         }
