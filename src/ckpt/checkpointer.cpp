@@ -11,6 +11,7 @@
 #include "loom/ckpt/checkpointer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -99,7 +100,13 @@ struct SaveHandle::Job {
         end_of_previous = p.offset + p.bytes;
         const at::Tensor& src = pending[i];
         if (src.device().is_cpu() && src.is_contiguous()) {
-          std::memcpy(staging + p.offset, src.data_ptr(), p.bytes);  // ~2x copy_'s speed here
+          // memcpy in 8 MiB blocks over torch's intra-op threads: training is stalled anyway.
+          const char* from = static_cast<const char*>(src.data_ptr());
+          char* to = staging + p.offset;
+          at::parallel_for(
+              0, static_cast<int64_t>(p.bytes), int64_t{8} << 20, [&](int64_t begin, int64_t end) {
+                std::memcpy(to + begin, from + begin, static_cast<size_t>(end - begin));
+              });
         } else {  // strided or on a device: torch copies (and moves to the CPU)
           at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU)).copy_(src);
         }
@@ -179,11 +186,12 @@ struct Checkpointer::Impl {
   AlignedBuffer staging;
   size_t staging_capacity = 0;
 
-  // State below is protected by mutex; wake is notified when queued or stop change.
+  // State below is protected by mutex; wake is notified when queued, stop or retiring change.
   std::mutex mutex;
   std::condition_variable wake;
   std::shared_ptr<Job> queued;
   bool stop = false;
+  bool retiring = false;  // rank 0's writer is applying retention after a commit
 
   std::thread writer;  // started last in the constructor
 
@@ -195,12 +203,13 @@ struct Checkpointer::Impl {
   void writer_loop();
   void run_job(Job& job);
   void write_file(Job& job);
-  // Rank 0: collects the reports, writes the manifest, applies retention, sets commit.
+  // Rank 0: collects the reports, writes the manifest, sets commit.
   // Returns true when the step was skipped.
   bool commit(Job& job);
   void write_manifest(int64_t step, const Manifest& manifest);
   void apply_retention(int64_t step);
   void finish_keys(int64_t step);
+  void wait_retention();
   int64_t load_step(int64_t step, State& state, const LoadOptions& options);
 };
 
@@ -268,7 +277,31 @@ void Checkpointer::Impl::run_job(Job& job) {
   } catch (const std::exception& e) {
     log->warn("checkpoint step {}: could not clean its store keys: {}", job.step, e.what());
   }
+  // Rank 0 applies retention after the handle completes: deleting old steps is not part of
+  // the save. list(), latest() and load*() wait for it (retiring).
+  const bool retain = options.rank == 0 && !failure && !skipped;
+  if (retain) {
+    std::lock_guard<std::mutex> lock(mutex);
+    retiring = true;
+  }
   job.finish(skipped, failure);
+  if (!retain) return;
+  try {
+    apply_retention(job.step);
+  } catch (const std::exception& e) {
+    log->warn("checkpoint retention after step {} failed (the step is committed): {}", job.step,
+              e.what());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    retiring = false;
+  }
+  wake.notify_all();
+}
+
+void Checkpointer::Impl::wait_retention() {
+  std::unique_lock<std::mutex> lock(mutex);
+  wake.wait(lock, [&] { return !retiring; });
 }
 
 void Checkpointer::Impl::write_file(Job& job) {
@@ -277,7 +310,14 @@ void Checkpointer::Impl::write_file(Job& job) {
   const auto start = Clock::now();
   const auto name = data_file_name(options.rank);
   const auto temp = dir / ("." + name + ".tmp");
-  auto file = storage->create(temp);
+  auto file = storage->create(temp, options.direct_io);
+  // Direct writes need aligned lengths: the last one is padded with zeros (inside the staging
+  // capacity, a multiple of the alignment) and the file truncated back afterwards.
+  const uint64_t padded = file->direct() ? (job.plan.file_bytes + kDirectAlignment - 1) /
+                                               kDirectAlignment * kDirectAlignment
+                                         : job.plan.file_bytes;
+  if (padded > job.plan.file_bytes)
+    std::memset(job.staging + job.plan.file_bytes, 0, padded - job.plan.file_bytes);
   // One pass over the staging buffer in file order: hash a chunk (per chunk, and into its
   // piece's hash), and once write_bytes are hashed, write them and start their writeback, so
   // the disk works while the next chunks are hashed and the final fsync has little left.
@@ -305,7 +345,8 @@ void Checkpointer::Impl::write_file(Job& job) {
     }
     piece.hash = piece_hash(piece.chunk_hashes);
   }
-  write_up_to(job.plan.file_bytes, true);
+  write_up_to(padded, true);
+  if (padded != job.plan.file_bytes) file->truncate(job.plan.file_bytes);
   const auto written_at = Clock::now();
   file->sync();
   file.reset();
@@ -353,12 +394,6 @@ bool Checkpointer::Impl::commit(Job& job) {
     throw;
   }
   store.set(key(job.step, "commit"), "ok");
-  try {
-    apply_retention(job.step);
-  } catch (const std::exception& e) {
-    log->warn("checkpoint retention after step {} failed (the step is committed): {}", job.step,
-              e.what());
-  }
   return false;
 }
 
@@ -417,8 +452,11 @@ Checkpointer::Checkpointer(comm::Store& store, CheckpointerOptions options,
   LOOM_CHECK(options.world_size > 0 && options.rank >= 0 && options.rank < options.world_size,
              InvalidArgument, "CheckpointerOptions: rank ", options.rank,
              " is not in [0, world_size = ", options.world_size, ")");
-  LOOM_CHECK(options.write_bytes > 0 && options.hash_chunk_bytes >= 16, InvalidArgument,
-             "CheckpointerOptions: write_bytes must be positive and hash_chunk_bytes >= 16");
+  LOOM_CHECK(options.write_bytes > 0 && options.write_bytes % kDirectAlignment == 0 &&
+                 options.hash_chunk_bytes >= 16,
+             InvalidArgument,
+             "CheckpointerOptions: write_bytes must be a positive multiple of 4096 and "
+             "hash_chunk_bytes >= 16");
   LOOM_CHECK(storage != nullptr, InvalidArgument, "Checkpointer: storage is null");
   storage->create_dirs(options.dir);
   impl_ = std::make_unique<Impl>(store, std::move(options), std::move(storage));
@@ -552,6 +590,7 @@ void Checkpointer::before_optimizer_step() {
 }
 
 std::vector<CheckpointInfo> Checkpointer::list() const {
+  impl_->wait_retention();
   std::vector<CheckpointInfo> out;
   for (int64_t step : committed_steps(impl_->options.dir)) {
     const auto dir = impl_->step_dir(step);
@@ -566,6 +605,7 @@ std::vector<CheckpointInfo> Checkpointer::list() const {
 }
 
 std::optional<int64_t> Checkpointer::latest() const {
+  impl_->wait_retention();
   auto steps = committed_steps(impl_->options.dir);
   if (steps.empty()) return std::nullopt;
   return steps.back();
@@ -578,6 +618,7 @@ void Checkpointer::verify(int64_t step) const {
 }
 
 int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOptions& load_options) {
+  wait_retention();
   const auto dir = step_dir(step);
   LOOM_CHECK(std::filesystem::exists(dir / kManifestName), IoError, "checkpoint step ", step,
              " is not committed in ", options.dir.string(), " (no ", (dir / kManifestName).string(),
@@ -648,6 +689,7 @@ int64_t Checkpointer::load(int64_t step, State& state, const LoadOptions& option
 }
 
 int64_t Checkpointer::load_latest_valid(State& state, const LoadOptions& options) {
+  impl_->wait_retention();
   auto steps = committed_steps(impl_->options.dir);
   LOOM_CHECK(!steps.empty(), IoError, "no committed checkpoint in ", impl_->options.dir.string());
   std::exception_ptr newest_error;

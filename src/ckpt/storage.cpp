@@ -16,10 +16,19 @@ namespace {
 
 class PosixWritableFile final : public WritableFile {
  public:
-  explicit PosixWritableFile(const std::filesystem::path& path)
-      : path_(path),
-        fd_(LOOM_CHECK_SYS(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                           "creating ", path)) {}
+  PosixWritableFile(const std::filesystem::path& path, bool direct)
+      : path_(path), direct_(direct), fd_(open_for_writing(path, direct_)) {}
+
+  static int open_for_writing(const std::filesystem::path& path, bool& direct) {
+    const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+    if (direct) {
+      int fd = ::open(path.c_str(), flags | O_DIRECT, 0644);
+      if (fd >= 0) return fd;
+      if (errno != EINVAL) LOOM_CHECK_SYS(fd, "creating ", path);
+      direct = false;  // the file system refuses O_DIRECT: buffered writes
+    }
+    return LOOM_CHECK_SYS(::open(path.c_str(), flags, 0644), "creating ", path);
+  }
 
   size_t write(const void* data, size_t size) override {
     ssize_t n;
@@ -33,12 +42,20 @@ class PosixWritableFile final : public WritableFile {
   void sync() override { LOOM_CHECK_SYS(::fsync(fd_.get()), "syncing ", path_); }
 
   void start_writeback(uint64_t offset, uint64_t size) override {
+    if (direct_) return;  // nothing in the page cache
     (void)::sync_file_range(fd_.get(), static_cast<off64_t>(offset), static_cast<off64_t>(size),
                             SYNC_FILE_RANGE_WRITE);
   }
 
+  void truncate(uint64_t size) override {
+    LOOM_CHECK_SYS(::ftruncate(fd_.get(), static_cast<off_t>(size)), "truncating ", path_);
+  }
+
+  bool direct() const override { return direct_; }
+
  private:
   std::filesystem::path path_;
+  bool direct_;
   util::UniqueFd fd_;
 };
 
@@ -76,8 +93,8 @@ class PosixReadableFile final : public ReadableFile {
 
 class PosixStorage final : public Storage {
  public:
-  std::unique_ptr<WritableFile> create(const std::filesystem::path& path) override {
-    return std::make_unique<PosixWritableFile>(path);
+  std::unique_ptr<WritableFile> create(const std::filesystem::path& path, bool direct) override {
+    return std::make_unique<PosixWritableFile>(path, direct);
   }
   std::unique_ptr<ReadableFile> open(const std::filesystem::path& path) override {
     return std::make_unique<PosixReadableFile>(path);

@@ -27,7 +27,14 @@ class WritableFile {
   // sync_file_range), so the disk works while the writer hashes the next bytes. A hint:
   // failures surface at sync().
   virtual void start_writeback(uint64_t offset, uint64_t size) = 0;
+  // Sets the file's size (drops the padding of the last direct write).
+  virtual void truncate(uint64_t size) = 0;
+  // True when writes bypass the page cache (O_DIRECT): every write's address, length and file
+  // offset must then be multiples of kDirectAlignment.
+  virtual bool direct() const = 0;
 };
+
+inline constexpr size_t kDirectAlignment = 4096;
 
 // A file read at offsets.
 class ReadableFile {
@@ -43,8 +50,10 @@ class ReadableFile {
 class Storage {
  public:
   virtual ~Storage() = default;
-  // Creates (or truncates) path for writing.
-  virtual std::unique_ptr<WritableFile> create(const std::filesystem::path& path) = 0;
+  // Creates (or truncates) path for writing. With direct, asks for O_DIRECT; a file system that
+  // refuses it (tmpfs) gives a buffered file instead (see WritableFile::direct).
+  virtual std::unique_ptr<WritableFile> create(const std::filesystem::path& path,
+                                               bool direct = false) = 0;
   virtual std::unique_ptr<ReadableFile> open(const std::filesystem::path& path) = 0;
   virtual void rename(const std::filesystem::path& from, const std::filesystem::path& to) = 0;
   // fsyncs a directory so that creates, renames and removals inside it are durable.

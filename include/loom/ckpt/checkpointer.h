@@ -45,8 +45,9 @@ struct CheckpointerOptions {
   std::filesystem::path dir;  // the checkpoint directory; created when missing
   int rank = 0;               // this rank, in [0, world_size)
   int world_size = 1;         // ranks saving together
-  // Retention, applied by rank 0 after each commit. A committed step is kept when it is one of
-  // the newest keep_last (0: keep all) or a multiple of keep_every (0: none). Directories
+  // Retention, applied by rank 0's writer thread after each commit, once the save's handle
+  // has completed (list(), latest() and load*() wait for it). A committed step is kept when it is
+  // one of the newest keep_last (0: keep all) or a multiple of keep_every (0: none). Directories
   // without a manifest (failed or interrupted saves) are always removed.
   int keep_last = 0;
   int64_t keep_every = 0;
@@ -56,7 +57,12 @@ struct CheckpointerOptions {
   // Deadline for the cross-rank steps of a save (reports, commit) and for a save() that
   // waits for the previous one. Passing it fails the save with Timeout.
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
-  size_t write_bytes = size_t{8} << 20;       // bytes per write() call of the writer thread
+  size_t write_bytes = size_t{8} << 20;  // bytes per write() call of the writer thread
+                                         // (a multiple of 4 KiB for direct_io)
+  // Write data files with O_DIRECT straight from the staging buffer: no copy into the page
+  // cache, which on these VMs costs more than the disk itself. Falls back to buffered writes
+  // (with early writeback) where the file system refuses O_DIRECT (tmpfs).
+  bool direct_io = true;
   size_t hash_chunk_bytes = size_t{4} << 20;  // bytes per hashed chunk: the unit a partial
                                               // read must fetch to verify what it reads
   std::string store_prefix = "ckpt";          // Store keys: <prefix>/<step>/...

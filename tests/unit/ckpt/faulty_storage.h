@@ -23,8 +23,9 @@ class FaultyStorage final : public Storage {
   std::atomic<int64_t> bytes_written{0};  // through every file of this storage
   std::atomic<int64_t> bytes_read{0};     // likewise
 
-  std::unique_ptr<WritableFile> create(const std::filesystem::path& path) override {
-    return std::make_unique<File>(*this, base_->create(path), path);
+  std::unique_ptr<WritableFile> create(const std::filesystem::path& path,
+                                       bool direct = false) override {
+    return std::make_unique<File>(*this, base_->create(path, direct), path);
   }
   std::unique_ptr<ReadableFile> open(const std::filesystem::path& path) override {
     return std::make_unique<Reader>(*this, base_->open(path));
@@ -63,7 +64,7 @@ class FaultyStorage final : public Storage {
     size_t write(const void* data, size_t size) override {
       if (owner_.no_space)
         detail::throw_system_error(ENOSPC, "write", path_.string(), __FILE__, __LINE__);
-      if (owner_.short_writes) size = std::min<size_t>(size, 1000);
+      if (owner_.short_writes) size = std::min<size_t>(size, base_->direct() ? 4096 : 1000);
       size_t n = base_->write(data, size);
       owner_.bytes_written += static_cast<int64_t>(n);
       return n;
@@ -76,6 +77,8 @@ class FaultyStorage final : public Storage {
     void start_writeback(uint64_t offset, uint64_t size) override {
       base_->start_writeback(offset, size);
     }
+    void truncate(uint64_t size) override { base_->truncate(size); }
+    bool direct() const override { return base_->direct(); }
 
    private:
     FaultyStorage& owner_;
