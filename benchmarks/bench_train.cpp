@@ -487,12 +487,22 @@ void write_token_dataset(const Settings& s, const std::filesystem::path& dir) {
   writer.finish();
 }
 
-// One rank's medians, in ms, written by rank 0's worker for the parent.
+// Rank 0's medians, written by its worker for the parent: step times in ms, and the median
+// over rounds of each hand loop's step / the Trainer's step in the same round (a paired
+// figure, steadier than the ratio of medians when the load of the machine drifts).
 struct TrainerTimes {
   double trainer = 0;
   double hand_dp = 0;
   double hand_plain = 0;
+  double hand_dp_round_ratio = 0;
+  double hand_plain_round_ratio = 0;
 };
+
+double median_ratio(const std::vector<double>& num, const std::vector<double>& den) {
+  std::vector<double> ratios;
+  for (size_t i = 0; i < num.size() && i < den.size(); ++i) ratios.push_back(num[i] / den[i]);
+  return median(ratios);
+}
 
 loom::Runtime trainer_runtime(const Settings& s) {
   const std::string run_dir = (std::filesystem::path(s.store_dir) / "run").string();
@@ -607,14 +617,16 @@ TrainerTimes measure_trainer(const Settings& s) {
   group.barrier()->wait();
   trainer_start = Clock::now();
   trainer.fit();
-  return {median(trainer_ms), median(hand_dp_ms), median(hand_plain_ms)};
+  return {median(trainer_ms), median(hand_dp_ms), median(hand_plain_ms),
+          median_ratio(hand_dp_ms, trainer_ms), median_ratio(hand_plain_ms, trainer_ms)};
 }
 
 void run_trainer_worker(const Settings& s) {
   const TrainerTimes t = measure_trainer(s);
   if (s.worker_rank != 0) return;
   std::ofstream(std::filesystem::path(s.store_dir) / "times.txt")
-      << t.trainer << " " << t.hand_dp << " " << t.hand_plain << "\n";
+      << t.trainer << " " << t.hand_dp << " " << t.hand_plain << " " << t.hand_dp_round_ratio << " "
+      << t.hand_plain_round_ratio << "\n";
 }
 
 // The peer: the same model, data shapes, optimizer, clipping and thread count in PyTorch's
@@ -755,15 +767,11 @@ int run_trainer_parent(Settings s, const std::string& self) {
                 "unit", "ratio");
   }
   auto emit_row = [&](const std::string& name, double loom_ms, double base_ms,
-                      const std::string& base_name) {
-    emit(s, {"train",
-             name,
-             loom_ms,
-             base_ms,
-             base_name,
-             "ms",
-             base_ms / loom_ms,
-             {{"params_m", params_m}}});
+                      const std::string& base_name, double round_ratio) {
+    loom::bench::Row row{"train",   name, loom_ms,           base_ms,
+                         base_name, "ms", base_ms / loom_ms, {{"params_m", params_m}}};
+    if (round_ratio > 0) row.extra["median_round_ratio"] = round_ratio;
+    emit(s, row);
   };
   TrainerTimes at_two;
   for (int ranks : {1, 2}) {
@@ -775,17 +783,21 @@ int run_trainer_parent(Settings s, const std::string& self) {
     }
     std::ifstream in(run / "times.txt");
     TrainerTimes t;
-    in >> t.trainer >> t.hand_dp >> t.hand_plain;
+    in >> t.trainer >> t.hand_dp >> t.hand_plain >> t.hand_dp_round_ratio >>
+        t.hand_plain_round_ratio;
     LOOM_CHECK(in && t.trainer > 0, loom::Error, "no times from the ", ranks, "-rank run");
     const std::string suffix = ranks == 1 ? "/1rank" : "/2ranks";
-    emit_row("trainer_overhead" + suffix, t.trainer, t.hand_dp, "hand_loop_dataparallel");
+    emit_row("trainer_overhead" + suffix, t.trainer, t.hand_dp, "hand_loop_dataparallel",
+             t.hand_dp_round_ratio);
     emit_row("trainer_vs_plain" + suffix, t.trainer, t.hand_plain,
-             ranks == 1 ? "hand_loop_libtorch" : "hand_loop_allreduce_after_backward");
+             ranks == 1 ? "hand_loop_libtorch" : "hand_loop_allreduce_after_backward",
+             t.hand_plain_round_ratio);
     if (ranks == 2) at_two = t;
   }
   const double python_ms = python_ddp_ms(s, dir);
   if (python_ms > 0) {
-    emit_row("trainer_vs_python_ddp/2ranks", at_two.trainer, python_ms, "pytorch_python_ddp_gloo");
+    emit_row("trainer_vs_python_ddp/2ranks", at_two.trainer, python_ms, "pytorch_python_ddp_gloo",
+             0);
   }
   std::filesystem::remove_all(dir);
   return 0;
