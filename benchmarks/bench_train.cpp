@@ -1,14 +1,28 @@
-// bench_train --mode=ddp: one training step of a ~20M-parameter decoder-only transformer on N
-// ranks as processes (Gloo over a FileStore, loopback TCP), for
+// bench_train: training steps of a decoder-only transformer, Loom beside the plain way.
+//
+// --mode=ddp: one training step of a ~20M-parameter model on N ranks as processes (Gloo over
+// a FileStore, loopback TCP), for
 //   baseline   the plain way of libtorch C++ examples: backward, then one all-reduce per
 //              parameter gradient, then torch::optim::AdamW;
 //   ddp        Loom's DataParallel: bucketed all-reduce overlapped with backward, torch AdamW;
 //   zero1/2    DataParallel with ZeRO-1 / ZeRO-2 and Loom's sharded AdamW;
 // plus the share of communication that overlap hides and the optimizer-state bytes per rank.
+//
+// --mode=trainer: train::Trainer's step time (a ~3M-parameter model, 1 and 2 ranks) beside
+//   hand_dp      a hand-written loop over the same DataParallel and Loom AdamW: what the
+//                Trainer adds on top (its target: at most 3% slower);
+//   hand_plain   the plain libtorch loop: torch AdamW, clip_grad_norm_, and at 2 ranks one
+//                all-reduce per gradient after backward;
+//   python_ddp   the same model in Python, torch.nn.parallel.DistributedDataParallel (gloo),
+//                2 processes (skipped with a note when python3 or torch is missing).
+// Every loop reads the same token batches (one data::Reader each, same dataset and options),
+// clips the gradient norm to 1 and takes the loss with .item().
+//
 // ratio = baseline / Loom for times (above 1: Loom is faster), replicated / Loom for bytes.
 //
 //   bench_train --mode=ddp               2 ranks, the 20M model, table
-//   bench_train --mode=ddp --json        JSON rows
+//   bench_train --mode=trainer           1 and 2 ranks, the 3M model, table
+//   bench_train --mode=... --json        JSON rows
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
@@ -18,13 +32,21 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <random>
+#include <sstream>
 
 #include "bench_report.h"
 #include "loom/comm/gloo.h"
 #include "loom/comm/store.h"
+#include "loom/config.h"
+#include "loom/data/dataset.h"
+#include "loom/data/reader.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
+#include "loom/runtime.h"
+#include "loom/train/trainer.h"
 #include "util/subprocess.h"
 
 namespace {
@@ -45,9 +67,27 @@ struct Settings {
   int threads = 1;  // intra-op threads per rank (2 cores, 2 ranks: 1)
   double bucket_mib = 25;
   bool json = false;
+  std::string python =
+      "/usr/bin/python3";  // --mode=trainer: the Python with torch for the DDP peer
   int worker_rank = -1;
   std::string store_dir;
+  std::string dataset;  // --mode=trainer workers: the token dataset
 };
+
+// --mode=trainer's model: a step of ~50-200 ms on one core of the 2-core benchmark machine.
+void use_trainer_defaults(Settings& s, const CLI::App& app) {
+  auto fallback = [&](const char* option, auto& field, auto value) {
+    if (app.count(option) == 0) field = value;
+  };
+  fallback("--vocab", s.vocab, int64_t{2048});
+  fallback("--dim", s.dim, int64_t{256});
+  fallback("--layers", s.layers, int64_t{3});
+  fallback("--heads", s.heads, int64_t{4});
+  fallback("--seq", s.seq, int64_t{64});
+  fallback("--batch", s.batch, int64_t{4});
+  fallback("--steps", s.steps, 30);
+  fallback("--warmup", s.warmup, 3);
+}
 
 // --- a small GPT -----------------------------------------------------------------------------
 
@@ -115,12 +155,16 @@ struct CaseResult {
   int buckets_during_backward = 0;  // of them, reduced while backward still ran (last step)
 };
 
-torch::Tensor loss_of(Gpt& model, const Settings& s, int rank, int step) {
-  torch::manual_seed(1000 * step + rank);  // this rank's batch of this step
-  auto tokens = torch::randint(s.vocab, {s.batch, s.seq + 1}, torch::kLong);
+// Mean next-token loss on tokens [B, T+1].
+torch::Tensor loss_on(Gpt& model, const Settings& s, const torch::Tensor& tokens) {
   auto logits = model.forward(tokens.narrow(1, 0, s.seq));
   return torch::cross_entropy_loss(logits.reshape({-1, s.vocab}),
                                    tokens.narrow(1, 1, s.seq).reshape(-1));
+}
+
+torch::Tensor loss_of(Gpt& model, const Settings& s, int rank, int step) {
+  torch::manual_seed(1000 * step + rank);  // this rank's batch of this step
+  return loss_on(model, s, torch::randint(s.vocab, {s.batch, s.seq + 1}, torch::kLong));
 }
 
 std::shared_ptr<Gpt> make_model(const Settings& s) {
@@ -272,7 +316,7 @@ void emit(const Settings& s, loom::bench::Row row) {
     loom::bench::print_json(row);
     return;
   }
-  std::printf("%-22s %12.1f %12.1f  %-26s %-6s %7.2fx", row.case_name.c_str(), row.loom,
+  std::printf("%-30s %12.1f %12.1f  %-36s %-6s %7.2fx", row.case_name.c_str(), row.loom,
               row.baseline, row.baseline_name.c_str(), row.unit.c_str(), row.ratio);
   for (const auto& [key, value] : row.extra) std::printf("  %s=%.4g", key.c_str(), value);
   std::printf("\n");
@@ -310,7 +354,7 @@ void run_worker(const Settings& s) {
         "buckets of %.3g MiB, median of %d interleaved rounds\n",
         params_m, (long long)s.layers, (long long)s.dim, (long long)s.vocab, (long long)s.batch,
         (long long)s.seq, s.ranks, s.threads, s.bucket_mib, s.steps);
-    std::printf("%-22s %12s %12s  %-26s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
+    std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
                 "unit", "ratio");
   }
   const std::string baseline_name = "allreduce_after_backward";
@@ -365,54 +409,405 @@ void run_worker(const Settings& s) {
   }
 }
 
-int run_parent(const Settings& s, const std::string& self) {
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    loom::detail::concat("loom-bench-train-", ::getpid());
+// The command line of rank r's worker process.
+std::vector<std::string> worker_argv(const Settings& s, const std::string& self, int rank,
+                                     const std::filesystem::path& dir) {
+  std::vector<std::string> argv = {self,
+                                   "--mode=" + s.mode,
+                                   "--worker-rank=" + std::to_string(rank),
+                                   "--store-dir=" + dir.string(),
+                                   "--dataset=" + s.dataset,
+                                   "--ranks=" + std::to_string(s.ranks),
+                                   "--vocab=" + std::to_string(s.vocab),
+                                   "--dim=" + std::to_string(s.dim),
+                                   "--layers=" + std::to_string(s.layers),
+                                   "--heads=" + std::to_string(s.heads),
+                                   "--seq=" + std::to_string(s.seq),
+                                   "--batch=" + std::to_string(s.batch),
+                                   "--steps=" + std::to_string(s.steps),
+                                   "--warmup=" + std::to_string(s.warmup),
+                                   "--threads=" + std::to_string(s.threads),
+                                   "--bucket-mib=" + std::to_string(s.bucket_mib)};
+  if (s.json) argv.push_back("--json");
+  return argv;
+}
+
+// Runs s.ranks worker processes rendezvousing in `dir` (rank 0's output inherited, the others'
+// in dir/rank_<r>.log); returns whether all of them succeeded.
+bool run_ranks(const Settings& s, const std::string& self, const std::filesystem::path& dir) {
   std::filesystem::create_directories(dir);
   std::vector<loom::util::Subprocess> children;
   for (int r = 0; r < s.ranks; ++r) {
-    std::vector<std::string> argv = {self,
-                                     "--mode=" + s.mode,
-                                     "--worker-rank=" + std::to_string(r),
-                                     "--store-dir=" + dir.string(),
-                                     "--ranks=" + std::to_string(s.ranks),
-                                     "--vocab=" + std::to_string(s.vocab),
-                                     "--dim=" + std::to_string(s.dim),
-                                     "--layers=" + std::to_string(s.layers),
-                                     "--heads=" + std::to_string(s.heads),
-                                     "--seq=" + std::to_string(s.seq),
-                                     "--batch=" + std::to_string(s.batch),
-                                     "--steps=" + std::to_string(s.steps),
-                                     "--warmup=" + std::to_string(s.warmup),
-                                     "--threads=" + std::to_string(s.threads),
-                                     "--bucket-mib=" + std::to_string(s.bucket_mib)};
-    if (s.json) argv.push_back("--json");
-    loom::util::SubprocessOptions options{.argv = argv};
+    loom::util::SubprocessOptions options{.argv = worker_argv(s, self, r, dir),
+                                          .env = {{"LOOM_STORE_DIR", (dir / "store").string()}}};
     if (r != 0) options.output = dir / loom::detail::concat("rank_", r, ".log");
     children.push_back(loom::util::Subprocess::spawn(options));
   }
-  int status = 0;
+  bool ok = true;
   for (int r = 0; r < s.ranks; ++r) {
     const loom::util::ExitStatus exit = children[r].wait();
     if (!exit.ok()) {
       std::cerr << "bench_train: rank " << r << " " << exit.describe() << std::endl;
-      status = 1;
+      ok = false;
     }
   }
-  if (status == 0) {
-    std::filesystem::remove_all(dir);
-  } else {
-    std::cerr << "bench_train: rank logs kept in " << dir << std::endl;
-  }
-  return status;
+  return ok;
 }
 
+std::filesystem::path scratch_dir() {
+  return std::filesystem::temp_directory_path() /
+         loom::detail::concat("loom-bench-train-", ::getpid());
+}
+
+int run_parent(const Settings& s, const std::string& self) {
+  const std::filesystem::path dir = scratch_dir();
+  if (!run_ranks(s, self, dir)) {
+    std::cerr << "bench_train: rank logs kept in " << dir << std::endl;
+    return 1;
+  }
+  std::filesystem::remove_all(dir);
+  return 0;
+}
+
+// --- --mode=trainer ---------------------------------------------------------------------------
+
+// A token dataset of random documents, enough for every reader of a run without wrapping.
+void write_token_dataset(const Settings& s, const std::filesystem::path& dir) {
+  const int64_t rounds = s.warmup + s.steps;
+  const int64_t tokens = std::max<int64_t>(1 << 16, 2 * rounds * s.batch * 2 * (s.seq + 1));
+  loom::data::TokenDatasetWriter writer(
+      dir, {.vocab_size = static_cast<uint64_t>(s.vocab), .description = "bench_train tokens"});
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<uint32_t> token(0, static_cast<uint32_t>(s.vocab - 1));
+  std::vector<uint32_t> document(1024);
+  for (int64_t written = 0; written < tokens; written += static_cast<int64_t>(document.size())) {
+    for (auto& t : document) t = token(rng);
+    writer.add_document(document);
+  }
+  writer.finish();
+}
+
+// Rank 0's medians, written by its worker for the parent: step times in ms, and the median
+// over rounds of each hand loop's step / the Trainer's step in the same round (a paired
+// figure, steadier than the ratio of medians when the load of the machine drifts).
+struct TrainerTimes {
+  double trainer = 0;
+  double hand_dp = 0;
+  double hand_plain = 0;
+  double hand_dp_round_ratio = 0;
+  double hand_plain_round_ratio = 0;
+};
+
+double median_ratio(const std::vector<double>& num, const std::vector<double>& den) {
+  std::vector<double> ratios;
+  for (size_t i = 0; i < num.size() && i < den.size(); ++i) ratios.push_back(num[i] / den[i]);
+  return median(ratios);
+}
+
+loom::Runtime trainer_runtime(const Settings& s) {
+  const std::string run_dir = (std::filesystem::path(s.store_dir) / "run").string();
+  const std::vector<std::string> args = {"bench_train", "--run.dir=" + run_dir,
+                                         "--run.threads=" + std::to_string(s.threads),
+                                         "--log.level=warn", "--log.to_file=false"};
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  const loom::Config config =
+      loom::Config::from_args(loom::Runtime::schema(), static_cast<int>(argv.size()), argv.data());
+  return loom::Runtime::init(config, {.rank = s.worker_rank,
+                                      .world_size = s.ranks,
+                                      .local_rank = s.worker_rank,
+                                      .local_world_size = s.ranks});
+}
+
+std::unique_ptr<loom::parallel::DataParallel> make_data_parallel(std::shared_ptr<Gpt> model,
+                                                                 loom::comm::Group& group,
+                                                                 const Settings& s) {
+  auto dp = std::make_unique<loom::parallel::DataParallel>(
+      model, group,
+      loom::parallel::DataParallelOptions{.bucket_bytes =
+                                              static_cast<size_t>(s.bucket_mib * (1 << 20))});
+  dp->set_optimizer(std::make_unique<loom::optim::AdamW>(loom::optim::AdamWOptions{.lr = 1e-4}));
+  return dp;
+}
+
+// Trainer steps with one step of each hand-written loop between them (run from the Trainer's
+// on_step_end), so that load from other processes falls on all loops alike. Every timed step
+// runs from one barrier to the next, so it is the slowest rank's. A Trainer step runs from the
+// end of the previous callback to the start of the next one: the whole of fit()'s loop. The
+// first `warmup` rounds are not recorded.
+TrainerTimes measure_trainer(const Settings& s) {
+  loom::Runtime rt = trainer_runtime(s);
+  loom::comm::Group& group = rt.world_group();
+  const loom::data::ReaderOptions reader_options{.batch_size = s.batch, .seq_len = s.seq};
+
+  auto trainer_model = make_model(s);
+  auto trainer_dp = make_data_parallel(trainer_model, group, s);
+  auto trainer_reader = rt.open_dataset(s.dataset, reader_options);
+
+  auto dp_model = make_model(s);
+  auto hand_dp = make_data_parallel(dp_model, group, s);
+  auto dp_reader = rt.open_dataset(s.dataset, reader_options);
+
+  auto plain_model = make_model(s);
+  torch::optim::AdamW plain_opt(plain_model->parameters(), torch::optim::AdamWOptions(1e-4));
+  auto plain_reader = rt.open_dataset(s.dataset, reader_options);
+
+  // What people write over DataParallel by hand: the Trainer's work without its bookkeeping.
+  auto hand_dp_step = [&] {
+    const loom::data::Batch batch = dp_reader->next();
+    hand_dp->zero_grad();
+    auto loss = loss_on(*dp_model, s, batch["tokens"]);
+    loss.backward();
+    hand_dp->finish_gradient_sync();
+    hand_dp->clip_grad_norm(1.0);
+    hand_dp->step();
+    (void)loss.item<double>();
+  };
+  // The plain libtorch loop: gradients all-reduced after backward (sum, then divide).
+  auto hand_plain_step = [&] {
+    const loom::data::Batch batch = plain_reader->next();
+    plain_opt.zero_grad();
+    auto loss = loss_on(*plain_model, s, batch["tokens"]);
+    loss.backward();
+    if (group.size() > 1) {
+      for (auto& p : plain_model->parameters()) {
+        at::Tensor grad = p.grad();
+        group.all_reduce(grad)->wait();
+        grad.div_(group.size());
+      }
+    }
+    torch::nn::utils::clip_grad_norm_(plain_model->parameters(), 1.0);
+    plain_opt.step();
+    (void)loss.item<double>();
+  };
+
+  std::vector<double> trainer_ms, hand_dp_ms, hand_plain_ms;
+  auto timed = [&](auto&& step, std::vector<double>& out, bool record) {
+    group.barrier()->wait();
+    const auto start = Clock::now();
+    step();
+    group.barrier()->wait();
+    if (record) out.push_back(ms_since(start));
+  };
+  loom::train::TrainOptions options;
+  options.steps = s.warmup + s.steps;
+  options.grad_clip = 1.0;
+  options.schedule = loom::train::Schedule::constant(1e-4);
+  options.resume = false;
+  auto trainer_start = Clock::now();
+  loom::train::Callbacks callbacks;
+  callbacks.on_step_end = [&](const loom::train::StepInfo& info) {
+    const bool record = info.step >= s.warmup;
+    group.barrier()->wait();
+    if (record) trainer_ms.push_back(ms_since(trainer_start));
+    timed(hand_dp_step, hand_dp_ms, record);
+    timed(hand_plain_step, hand_plain_ms, record);
+    group.barrier()->wait();
+    trainer_start = Clock::now();
+  };
+  loom::train::Trainer trainer(
+      rt, *trainer_dp, *trainer_reader, options,
+      [&](const loom::data::Batch& batch) {
+        const at::Tensor& tokens = batch["tokens"];
+        return loom::train::MicroStep{.loss = loss_on(*trainer_model, s, tokens),
+                                      .tokens = tokens.size(0) * s.seq,
+                                      .samples = tokens.size(0)};
+      },
+      callbacks);
+  group.barrier()->wait();
+  trainer_start = Clock::now();
+  trainer.fit();
+  return {median(trainer_ms), median(hand_dp_ms), median(hand_plain_ms),
+          median_ratio(hand_dp_ms, trainer_ms), median_ratio(hand_plain_ms, trainer_ms)};
+}
+
+void run_trainer_worker(const Settings& s) {
+  const TrainerTimes t = measure_trainer(s);
+  if (s.worker_rank != 0) return;
+  std::ofstream(std::filesystem::path(s.store_dir) / "times.txt")
+      << t.trainer << " " << t.hand_dp << " " << t.hand_plain << " " << t.hand_dp_round_ratio << " "
+      << t.hand_plain_round_ratio << "\n";
+}
+
+// The peer: the same model, data shapes, optimizer, clipping and thread count in PyTorch's
+// Python DDP (gloo, 2 processes by torch.multiprocessing, rendezvous through a file). Each
+// rank pre-generates its batches; every step runs from one barrier to the next, as in
+// measure_trainer; rank 0 prints the median step time of the measured steps.
+constexpr const char* kPythonDdp = R"PY(
+import math, sys, time
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        hd = d // self.heads
+        parts = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
+        att = torch.matmul(parts[0], parts[1].transpose(-2, -1)) / math.sqrt(hd)
+        att = torch.softmax(att.masked_fill(mask, -1e9), -1)
+        y = torch.matmul(att, parts[2]).transpose(1, 2).reshape(b, t, d)
+        h = x + self.proj(y)
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+class Gpt(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(a["vocab"], a["dim"]), nn.Embedding(a["seq"], a["dim"])
+        self.blocks = nn.ModuleList([Block(a["dim"], a["heads"]) for _ in range(a["layers"])])
+        self.lnf = nn.LayerNorm(a["dim"])
+        self.head = nn.Linear(a["dim"], a["vocab"], bias=False)
+
+    def forward(self, tokens):
+        t = tokens.size(1)
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        x = self.tok(tokens) + self.pos(torch.arange(t))
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.lnf(x))
+
+
+def worker(rank, a):
+    torch.set_num_threads(a["threads"])
+    dist.init_process_group("gloo", init_method="file://" + a["init"], rank=rank, world_size=a["ranks"])
+    torch.manual_seed(7)
+    model = nn.parallel.DistributedDataParallel(Gpt(a), bucket_cap_mb=a["bucket_mib"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1000 + rank)
+    batches = [torch.randint(a["vocab"], (a["batch"], a["seq"] + 1), generator=g)
+               for _ in range(a["warmup"] + a["steps"])]
+    times = []
+    for i, tokens in enumerate(batches):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, a["vocab"]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss.item()
+        dist.barrier()
+        if i >= a["warmup"]:
+            times.append((time.perf_counter() - start) * 1e3)
+    if rank == 0:
+        print("step_ms", sorted(times)[len(times) // 2], flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    a = dict(arg.split("=", 1) for arg in sys.argv[1:])
+    for key in a:
+        if key not in ("init", "bucket_mib"):
+            a[key] = int(a[key])
+    a["bucket_mib"] = float(a["bucket_mib"])
+    mp.spawn(worker, args=(a,), nprocs=a["ranks"])
+)PY";
+
+// The Python DDP median step in ms, or 0 (with a note on stderr) when it could not run.
+double python_ddp_ms(const Settings& s, const std::filesystem::path& dir) {
+  const std::filesystem::path script = dir / "python_ddp.py", out = dir / "python_ddp.out";
+  std::ofstream(script) << kPythonDdp;
+  std::vector<std::string> argv = {s.python, script.string()};
+  const std::pair<const char*, std::string> args[] = {{"ranks", "2"},
+                                                      {"vocab", std::to_string(s.vocab)},
+                                                      {"dim", std::to_string(s.dim)},
+                                                      {"layers", std::to_string(s.layers)},
+                                                      {"heads", std::to_string(s.heads)},
+                                                      {"seq", std::to_string(s.seq)},
+                                                      {"batch", std::to_string(s.batch)},
+                                                      {"steps", std::to_string(s.steps)},
+                                                      {"warmup", std::to_string(s.warmup)},
+                                                      {"threads", std::to_string(s.threads)},
+                                                      {"bucket_mib", std::to_string(s.bucket_mib)},
+                                                      {"init", (dir / "python_ddp.init").string()}};
+  for (const auto& [key, value] : args) argv.push_back(std::string(key) + "=" + value);
+  loom::util::ExitStatus status;
+  try {
+    status = loom::util::Subprocess::spawn({.argv = argv, .output = out}).wait();
+  } catch (const std::exception& e) {
+    std::cerr << "bench_train: note: Python DDP rows skipped: " << e.what() << "\n";
+    return 0;
+  }
+  std::ifstream in(out);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  const size_t at = text.rfind("step_ms ");
+  if (!status.ok() || at == std::string::npos) {
+    std::cerr << "bench_train: note: Python DDP rows skipped: " << s.python << " "
+              << status.describe() << " (python3 with torch needed; --python to choose):\n"
+              << text.substr(text.size() > 2000 ? text.size() - 2000 : 0) << "\n";
+    return 0;
+  }
+  return std::stod(text.substr(at + 8));
+}
+
+int run_trainer_parent(Settings s, const std::string& self) {
+  const std::filesystem::path dir = scratch_dir();
+  s.dataset = (dir / "tokens").string();
+  write_token_dataset(s, s.dataset);
+  const double params_m = parameter_count(*make_model(s)) / 1e6;
+  if (!s.json) {
+    std::printf(
+        "bench_train --mode=trainer: %.2fM-parameter transformer (%lld layers, dim %lld, "
+        "vocab %lld), %lld x %lld tokens per rank, %d thread(s) per rank, AdamW, clip 1.0, "
+        "median of %d interleaved rounds after %d warmup\n",
+        params_m, (long long)s.layers, (long long)s.dim, (long long)s.vocab, (long long)s.batch,
+        (long long)s.seq, s.threads, s.steps, s.warmup);
+    std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
+                "unit", "ratio");
+  }
+  auto emit_row = [&](const std::string& name, double loom_ms, double base_ms,
+                      const std::string& base_name, double round_ratio) {
+    loom::bench::Row row{"train",   name, loom_ms,           base_ms,
+                         base_name, "ms", base_ms / loom_ms, {{"params_m", params_m}}};
+    if (round_ratio > 0) row.extra["median_round_ratio"] = round_ratio;
+    emit(s, row);
+  };
+  TrainerTimes at_two;
+  for (int ranks : {1, 2}) {
+    s.ranks = ranks;
+    const std::filesystem::path run = dir / loom::detail::concat("w", ranks);
+    if (!run_ranks(s, self, run)) {
+      std::cerr << "bench_train: rank logs kept in " << dir << std::endl;
+      return 1;
+    }
+    std::ifstream in(run / "times.txt");
+    TrainerTimes t;
+    in >> t.trainer >> t.hand_dp >> t.hand_plain >> t.hand_dp_round_ratio >>
+        t.hand_plain_round_ratio;
+    LOOM_CHECK(in && t.trainer > 0, loom::Error, "no times from the ", ranks, "-rank run");
+    const std::string suffix = ranks == 1 ? "/1rank" : "/2ranks";
+    emit_row("trainer_overhead" + suffix, t.trainer, t.hand_dp, "hand_loop_dataparallel",
+             t.hand_dp_round_ratio);
+    emit_row("trainer_vs_plain" + suffix, t.trainer, t.hand_plain,
+             ranks == 1 ? "hand_loop_libtorch" : "hand_loop_allreduce_after_backward",
+             t.hand_plain_round_ratio);
+    if (ranks == 2) at_two = t;
+  }
+  const double python_ms = python_ddp_ms(s, dir);
+  if (python_ms > 0) {
+    emit_row("trainer_vs_python_ddp/2ranks", at_two.trainer, python_ms, "pytorch_python_ddp_gloo",
+             0);
+  }
+  std::filesystem::remove_all(dir);
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   Settings s;
   CLI::App app{"bench_train: data-parallel training steps, Loom beside the plain way"};
-  app.add_option("--mode", s.mode, "what to measure")->check(CLI::IsMember({"ddp"}));
+  app.add_option("--mode", s.mode, "what to measure")->check(CLI::IsMember({"ddp", "trainer"}));
   app.add_option("--ranks", s.ranks, "ranks (processes)")->check(CLI::Range(1, 64));
   app.add_option("--vocab", s.vocab, "vocabulary size");
   app.add_option("--dim", s.dim, "model width");
@@ -425,15 +820,20 @@ int main(int argc, char** argv) {
   app.add_option("--threads", s.threads, "intra-op threads per rank");
   app.add_option("--bucket-mib", s.bucket_mib, "DataParallel bucket size in MiB");
   app.add_flag("--json", s.json, "print one JSON object per row");
+  app.add_option("--python", s.python, "--mode=trainer: the Python with torch for the DDP peer")
+      ->capture_default_str();
   app.add_option("--worker-rank", s.worker_rank, "internal: run as this rank")->group("");
   app.add_option("--store-dir", s.store_dir, "internal: rendezvous directory")->group("");
+  app.add_option("--dataset", s.dataset, "internal: the token dataset")->group("");
   CLI11_PARSE(app, argc, argv);
+  const bool trainer = s.mode == "trainer";
+  if (trainer) use_trainer_defaults(s, app);
   try {
     if (s.worker_rank >= 0) {
-      run_worker(s);
+      trainer ? run_trainer_worker(s) : run_worker(s);
       return 0;
     }
-    return run_parent(s, "/proc/self/exe");
+    return trainer ? run_trainer_parent(s, "/proc/self/exe") : run_parent(s, "/proc/self/exe");
   } catch (const std::exception& e) {
     std::cerr << "bench_train: error: " << e.what() << std::endl;
     return 1;
