@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -252,6 +253,7 @@ struct Reader::Impl {
   std::condition_variable not_empty;  // the consumer waits on it
   std::condition_variable not_full;   // the prefetch thread waits on it
   std::deque<Item> queue;
+  std::atomic<size_t> queued{0};  // queue.size(), readable without the mutex (the spin)
   bool consumer_waiting = false;
   bool producer_waiting = false;
   bool stop = false;
@@ -304,6 +306,7 @@ struct Reader::Impl {
     not_full.notify_all();
     if (prefetcher.joinable()) prefetcher.join();
     queue.clear();
+    queued.store(0);
   }
 
   void prefetch_loop() {
@@ -322,6 +325,7 @@ struct Reader::Impl {
       {
         std::lock_guard<std::mutex> lock(mutex);
         queue.push_back(std::move(item));
+        queued.store(queue.size(), std::memory_order_release);
         wake = consumer_waiting;
       }
       if (wake) not_empty.notify_one();
@@ -332,12 +336,21 @@ struct Reader::Impl {
   Item take() {
     if (options.prefetch == 0) return produce();
     start();
+    // A batch is often only microseconds away: yield for up to kSpin before sleeping on the
+    // condition variable, whose wake-up costs more than preparing a small batch.
+    constexpr auto kSpin = std::chrono::microseconds(100);
+    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+    while (queued.load(std::memory_order_acquire) == 0 &&
+           std::chrono::steady_clock::now() < spin_until) {
+      std::this_thread::yield();
+    }
     std::unique_lock<std::mutex> lock(mutex);
     consumer_waiting = true;
     not_empty.wait(lock, [&] { return !queue.empty(); });
     consumer_waiting = false;
     Item item = std::move(queue.front());
     queue.pop_front();
+    queued.store(queue.size(), std::memory_order_release);
     const bool wake = producer_waiting;
     lock.unlock();
     if (wake) not_full.notify_one();
