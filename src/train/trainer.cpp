@@ -327,7 +327,6 @@ struct Trainer::Impl {
     resume();
     result.start_step = step;
     metrics->on_resume(step);
-    int64_t last_saved = result.start_step;
     while (step < options.steps) {
       const StepInfo info = run_step();
       ++step;
@@ -337,7 +336,6 @@ struct Trainer::Impl {
       if (options.checkpoint_every > 0 && step % options.checkpoint_every == 0 &&
           step < options.steps) {
         save(false);
-        last_saved = step;
       }
       if (options.eval_every > 0 && step % options.eval_every == 0 && callbacks.on_eval) {
         metrics->clear_progress_line();
@@ -351,13 +349,14 @@ struct Trainer::Impl {
       }
     }
     metrics->clear_progress_line();
-    if (step != last_saved || !checkpointer->latest() || *checkpointer->latest() != step)
-      save(true);
+    // The save in flight first: it may already be this very step (a stop right after a save).
     if (pending.valid()) {
       pending.wait(options.checkpoint_timeout);
       metrics->on_checkpoint_committed(pending.step());
       pending = {};
     }
+    const std::optional<int64_t> latest = checkpointer->latest();
+    if (!latest || *latest != step) save(true);
     result.steps_done = step;
     result.skipped_steps = skipped;
     return result;
