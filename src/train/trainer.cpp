@@ -150,8 +150,6 @@ struct Trainer::Impl {
     LOOM_CHECK(loss_fn != nullptr, InvalidArgument, "the Trainer needs a loss function");
   }
 
-  bool main() const { return rt.rank() == 0; }
-
   void open_checkpointer() {
     checkpointer = std::make_unique<ckpt::Checkpointer>(
         rt.store(), ckpt::CheckpointerOptions{.dir = rt.run_dir() / "ckpt",
@@ -211,26 +209,30 @@ struct Trainer::Impl {
     return true;
   }
 
+  // Waits for the save in flight, if any, and reports it committed; raises its error.
+  void finish_pending() {
+    if (!pending.valid()) return;
+    pending.wait(options.checkpoint_timeout);
+    metrics->on_checkpoint_committed(pending.step());
+    pending = {};
+  }
+
   void save(bool sync) {
-    if (pending.valid()) pending.wait(options.checkpoint_timeout);
+    finish_pending();
     rng_buffer.copy_(at::detail::getDefaultCPUGenerator().get_state());
     save_state = describe_state();
     if (sync) {
       checkpointer->save_sync(step, save_state);
       metrics->on_checkpoint_committed(step);
-      pending = {};
     } else {
       pending =
           checkpointer->save(step, save_state, {.defer_copy = options.overlap_checkpoint_copy});
     }
   }
 
-  // Reports a finished save; raises its error.
+  // Reports the save in flight once it has finished; raises its error. Never blocks.
   void poll_pending() {
-    if (!pending.valid() || !pending.done()) return;
-    pending.wait(std::chrono::milliseconds(0));
-    metrics->on_checkpoint_committed(pending.step());
-    pending = {};
+    if (pending.valid() && pending.done()) finish_pending();
   }
 
   std::string first_non_finite_parameter() const {
@@ -350,11 +352,7 @@ struct Trainer::Impl {
     }
     metrics->clear_progress_line();
     // The save in flight first: it may already be this very step (a stop right after a save).
-    if (pending.valid()) {
-      pending.wait(options.checkpoint_timeout);
-      metrics->on_checkpoint_committed(pending.step());
-      pending = {};
-    }
+    finish_pending();
     const std::optional<int64_t> latest = checkpointer->latest();
     if (!latest || *latest != step) save(true);
     result.steps_done = step;
