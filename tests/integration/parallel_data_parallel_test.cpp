@@ -1,6 +1,6 @@
 // DataParallel with ranks as real processes over a FileStore: DDP, ZeRO-1 and ZeRO-2 train to
 // the parameters of single-process torch::optim training (the same scenarios as the threaded
-// unit tests: accumulation, clipping, bf16 with fp32 masters), at W = 2 and 3.
+// unit tests: accumulation, clipping, bf16 with fp32 masters), at W = 1, 2, 3 and 4.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -34,7 +34,7 @@ TEST_P(DataParallelProcesses, TrainsLikeSingleProcessTorchOptim) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Processes, DataParallelProcesses,
-                         ::testing::Combine(::testing::Values(2, 3),
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
                                             ::testing::Values(ZeroStage::kNone, ZeroStage::kOne,
                                                               ZeroStage::kTwo)),
                          [](const auto& info) {
