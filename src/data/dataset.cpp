@@ -473,11 +473,10 @@ VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
       if (records) {
         std::vector<format::FieldView> views(m.schema.size());
         for (uint64_t i = 0; i < records->num_records(); ++i) {
-          std::string bad = records->problem(i);
-          if (bad.empty()) {
-            auto [p, n] = records->payload(i);
-            bad = format::decode_record(m.schema, p, n, views.data());
-          }
+          format::RecordShard::Payload payload;
+          std::string bad = records->check(i, &payload);
+          if (bad.empty())
+            bad = format::decode_record(m.schema, payload.first, payload.second, views.data());
           if (!bad.empty()) {
             report.record = static_cast<int64_t>(i);
             report.offset = static_cast<int64_t>(records->offset(i));

@@ -219,7 +219,7 @@ uint64_t RecordShard::offset(uint64_t i) const {
   return load_u64(file_.data() + index_offset_ + 8 * i);
 }
 
-std::string RecordShard::problem(uint64_t i) const {
+std::string RecordShard::check(uint64_t i, Payload* payload) const {
   const uint64_t begin = offset(i);
   const uint64_t end = offset(i + 1);
   if (begin < sizeof(RecordHeader) || end > index_offset_ || end < begin + 8) {
@@ -228,16 +228,17 @@ std::string RecordShard::problem(uint64_t i) const {
   const uint8_t* p = file_.data() + begin;
   const size_t size = end - begin - 8;
   if (util::xxh64(p, size) != load_u64(p + size)) return "it fails its checksum";
+  *payload = {p, size};
   return "";
 }
 
-std::pair<const uint8_t*, size_t> RecordShard::payload(uint64_t i) const {
-  const std::string bad = problem(i);
+RecordShard::Payload RecordShard::payload(uint64_t i) const {
+  Payload result;
+  const std::string bad = check(i, &result);
   LOOM_CHECK(bad.empty(), CorruptData, "record ", i, " of shard ", file_.path().string(),
              " (byte offset ", offset(i), ") is corrupt: ", bad,
              "; run `loom data verify` and restore or rebuild the dataset");
-  const uint64_t begin = offset(i);
-  return {file_.data() + begin, offset(i + 1) - begin - 8};
+  return result;
 }
 
 }  // namespace loom::data::format

@@ -100,11 +100,12 @@ class RecordShard {
   // Same errors as TokenShard, for record shards.
   RecordShard(const std::filesystem::path& dir, const ShardInfo& info);
   uint64_t num_records() const { return num_records_; }
+  using Payload = std::pair<const uint8_t*, size_t>;
   // Record i's payload after checking its xxHash64 and bounds; CorruptData naming the shard,
   // the record and its byte offset otherwise.
-  std::pair<const uint8_t*, size_t> payload(uint64_t i) const;
-  // What is wrong with record i's bounds or checksum, or "".
-  std::string problem(uint64_t i) const;
+  Payload payload(uint64_t i) const;
+  // The same check without throwing: what is wrong with record i, or "" and its payload.
+  std::string check(uint64_t i, Payload* payload) const;
   // Byte offset of record i in the file.
   uint64_t offset(uint64_t i) const;
   const util::MappedFile& file() const { return file_; }
