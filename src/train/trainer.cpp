@@ -305,14 +305,16 @@ struct Trainer::Impl {
     rt.world_group().all_reduce(sums)->wait();
     info.loss = sums[0].item<double>() / rt.world_size();
     stop_agreed = sums[1].item<double>() > 0;
-    metrics->log_step({.step = step,
-                       .epoch = static_cast<int64_t>(batch.epoch),
-                       .loss = info.loss,
-                       .lr = info.lr,
-                       .grad_norm = info.grad_norm,
-                       .tokens = tokens,
-                       .samples = samples});
-    rt.report_progress(step, 0.0);
+    const metrics::StepMetrics logged =
+        metrics->log_step({.step = step,
+                           .epoch = static_cast<int64_t>(batch.epoch),
+                           .loss = info.loss,
+                           .lr = info.lr,
+                           .grad_norm = info.grad_norm,
+                           .tokens = tokens,
+                           .samples = samples});
+    rt.report_progress(
+        step, tokens > 0 ? logged.tokens_per_second_smoothed : logged.samples_per_second_smoothed);
     return info;
   }
 
