@@ -34,13 +34,8 @@ TEST_P(DataParallelProcesses, TrainsLikeSingleProcessTorchOptim) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Processes, DataParallelProcesses,
-                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
-                                            ::testing::Values(ZeroStage::kNone, ZeroStage::kOne,
-                                                              ZeroStage::kTwo)),
-                         [](const auto& info) {
-                           return std::string(to_string(std::get<1>(info.param))) + "_W" +
-                                  std::to_string(std::get<0>(info.param));
-                         });
+                         loom::testing::parallel::worlds_and_stages(),
+                         loom::testing::parallel::world_and_stage_name);
 
 }  // namespace
 }  // namespace loom::parallel

@@ -46,14 +46,8 @@ TEST_P(DataParallelWorld, TrainsLikeSingleProcessTorchOptim) {
   }));
 }
 
-INSTANTIATE_TEST_SUITE_P(Threads, DataParallelWorld,
-                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
-                                            ::testing::Values(ZeroStage::kNone, ZeroStage::kOne,
-                                                              ZeroStage::kTwo)),
-                         [](const auto& info) {
-                           return std::string(to_string(std::get<1>(info.param))) + "_W" +
-                                  std::to_string(std::get<0>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Threads, DataParallelWorld, loom::testing::parallel::worlds_and_stages(),
+                         loom::testing::parallel::world_and_stage_name);
 
 TEST(DataParallel, BucketsFollowReverseRegistrationOrder) {
   expect_all_ok(run_threads(1, [](Rank& r) {
@@ -277,10 +271,7 @@ TEST_P(DataParallelState, SavedAtOneWorldSizeLoadsAtAnother) {
 INSTANTIATE_TEST_SUITE_P(Threads, DataParallelState,
                          ::testing::Combine(::testing::Values(2, 3),
                                             ::testing::Values(ZeroStage::kOne, ZeroStage::kTwo)),
-                         [](const auto& info) {
-                           return std::string(to_string(std::get<1>(info.param))) + "_W" +
-                                  std::to_string(std::get<0>(info.param));
-                         });
+                         loom::testing::parallel::world_and_stage_name);
 
 TEST(DataParallel, OptimizerStateShrinksWithTheWorld) {
   torch::set_num_threads(1);

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "loom/comm/group.h"
@@ -246,6 +247,18 @@ inline void check_equivalence(comm::Group& group, ZeroStage stage) {
         *model, expected, bitwise ? 0.0 : 1e-6,
         std::string(to_string(stage)) + "/" + s.name + " at W=" + std::to_string(world));
   }
+}
+
+// The (world size, stage) cases the thread and process tests run, and their names
+// ("zero2_W3").
+inline auto worlds_and_stages() {
+  return ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                            ::testing::Values(ZeroStage::kNone, ZeroStage::kOne, ZeroStage::kTwo));
+}
+inline std::string world_and_stage_name(
+    const ::testing::TestParamInfo<std::tuple<int, ZeroStage>>& info) {
+  return std::string(to_string(std::get<1>(info.param))) + "_W" +
+         std::to_string(std::get<0>(info.param));
 }
 
 }  // namespace loom::testing::parallel
