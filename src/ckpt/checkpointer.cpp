@@ -646,16 +646,32 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
     }
     plan.emplace_back(record, std::move(region));
   }
-  if (load_options.strict) {
-    for (const TensorRecord& t : manifest.tensors)
-      if (!asked.count(t.name))
-        differences.push_back(detail::concat("tensor \"", t.name,
-                                             "\" is in the checkpoint but not asked for (load "
-                                             "with strict = false to leave it out)"));
-  }
   for (const auto& [name, text] : state.blobs)
     if (!manifest.blobs.count(name))
       differences.push_back(detail::concat("blob \"", name, "\" is not in the checkpoint"));
+  // What the checkpoint holds that the state does not ask for.
+  const std::set<std::string> leave_out(load_options.leave_out.begin(),
+                                        load_options.leave_out.end());
+  std::vector<std::string> unexpected;
+  for (const TensorRecord& t : manifest.tensors)
+    if (!asked.count(t.name) && !leave_out.count(t.name))
+      unexpected.push_back(detail::concat("tensor \"", t.name, "\""));
+  for (const auto& [name, text] : manifest.blobs)
+    if (!state.blobs.count(name) && !leave_out.count(name))
+      unexpected.push_back(detail::concat("blob \"", name, "\""));
+  if (load_options.strict) {
+    for (const auto& u : unexpected)
+      differences.push_back(u +
+                            " is in the checkpoint but the state does not have it (load with "
+                            "strict = false to leave it out)");
+  } else if (!unexpected.empty()) {
+    std::string list;
+    for (const auto& u : unexpected) list += (list.empty() ? "" : ", ") + u;
+    log->warn(
+        "loading checkpoint step {} (strict = false): left out {} the state does not have: {}",
+        step, unexpected.size() == 1 ? "1 entry" : std::to_string(unexpected.size()) + " entries",
+        list);
+  }
   if (!differences.empty()) {
     std::string list;
     for (const auto& d : differences) list += "\n  " + d;

@@ -50,6 +50,7 @@ json piece_to_json(const Piece& p) {
 Piece piece_from_json(const json& j, const std::string& what) {
   Piece p;
   p.file = j.at("file").get<std::string>();
+  util::check_plain_file_name(p.file, what, "data file name");
   p.begin = j.at("begin").get<int64_t>();
   p.end = j.at("end").get<int64_t>();
   p.offset = j.at("offset").get<uint64_t>();
@@ -58,7 +59,8 @@ Piece piece_from_json(const json& j, const std::string& what) {
   p.chunk_bytes = j.at("chunk_bytes").get<uint64_t>();
   for (const auto& h : j.at("chunk_xxh64"))
     p.chunk_hashes.push_back(util::parse_hash_hex(h.get<std::string>(), what));
-  uint64_t expected_chunks = p.chunk_bytes == 0 ? 0 : (p.bytes + p.chunk_bytes - 1) / p.chunk_bytes;
+  const uint64_t expected_chunks =
+      p.chunk_bytes == 0 ? 0 : p.bytes / p.chunk_bytes + (p.bytes % p.chunk_bytes != 0);
   LOOM_CHECK(p.begin >= 0 && p.begin <= p.end && p.chunk_bytes > 0 &&
                  p.chunk_hashes.size() == expected_chunks,
              CorruptData, what, ": a piece of file ", p.file, " has inconsistent ranges or hashes");
@@ -69,6 +71,34 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
   return out + "]";
+}
+
+// The numbers a reader trusts: a known dtype, a shape whose element count fits int64, and
+// pieces inside the tensor whose byte counts match their element ranges (the reader indexes
+// chunk hashes and sizes reads by them). CorruptData naming `what` and the tensor otherwise.
+void check_tensor_record(const TensorRecord& r, const std::string& what) {
+  uint64_t es = 0;
+  try {
+    es = c10::elementSize(parse_dtype(r.dtype));
+  } catch (const CorruptData& e) {
+    throw CorruptData(detail::concat(what, ", tensor ", r.name, ": ", e.what()));
+  }
+  int64_t numel = 1;
+  for (int64_t d : r.shape) {
+    LOOM_CHECK(d >= 0 && (d == 0 || numel <= INT64_MAX / d), CorruptData, what, ", tensor ", r.name,
+               ": shape ", shape_text(r.shape), " is negative or too large");
+    numel *= d;
+  }
+  LOOM_CHECK(static_cast<uint64_t>(numel) <= UINT64_MAX / es, CorruptData, what, ", tensor ",
+             r.name, ": shape ", shape_text(r.shape), " is too large");
+  for (const Piece& p : r.pieces) {
+    LOOM_CHECK(p.end <= numel && p.bytes == static_cast<uint64_t>(p.end - p.begin) * es &&
+                   p.chunk_bytes % es == 0 && p.offset <= UINT64_MAX - p.bytes,
+               CorruptData, what, ", tensor ", r.name, ": the piece [", p.begin, ", ", p.end,
+               ") of file ", p.file, " claims ", p.bytes, " bytes at offset ", p.offset,
+               " in chunks of ", p.chunk_bytes, "; a ", r.dtype, " tensor of ", numel,
+               " elements cannot hold that (the manifest is corrupt)");
+  }
 }
 
 }  // namespace
@@ -170,9 +200,11 @@ Manifest parse_manifest(const std::string& text, const std::string& what) {
     Manifest m;
     m.step = j.at("step").get<int64_t>();
     m.world_size = j.at("world_size").get<int>();
-    for (const auto& f : j.at("files"))
+    for (const auto& f : j.at("files")) {
       m.files.push_back({f.at("name").get<std::string>(), f.at("rank").get<int>(),
                          f.at("bytes").get<uint64_t>()});
+      util::check_plain_file_name(m.files.back().name, what, "data file name");
+    }
     for (const auto& t : j.at("tensors")) {
       TensorRecord r;
       r.name = t.at("name").get<std::string>();
@@ -181,6 +213,7 @@ Manifest parse_manifest(const std::string& text, const std::string& what) {
       r.kind = t.at("kind").get<std::string>();
       for (const auto& p : t.at("pieces"))
         r.pieces.push_back(piece_from_json(p, detail::concat(what, ", tensor ", r.name)));
+      check_tensor_record(r, what);
       m.tensors.push_back(std::move(r));
     }
     for (const auto& [name, value] : j.at("blobs").items()) m.blobs[name] = value.dump();

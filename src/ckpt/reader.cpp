@@ -24,16 +24,23 @@ ReadableFile& StepReader::file(const std::string& name) {
   return *it->second;
 }
 
+ReadableFile& StepReader::piece_file(const TensorRecord& tensor, const Piece& p) {
+  ReadableFile& f = file(p.file);
+  const uint64_t size = file_sizes_[p.file];
+  // The manifest checked that offset + bytes does not overflow.
+  LOOM_CHECK(p.offset + p.bytes <= size, CorruptData, "checkpoint step ", manifest_.step,
+             ": tensor \"", tensor.name, "\": file ", (step_dir_ / p.file).string(),
+             " is truncated (", size, " bytes; the tensor's piece ends at byte ",
+             p.offset + p.bytes,
+             "). Load an earlier step (load_latest_valid) or restore the file.");
+  return f;
+}
+
 void StepReader::read_piece(const TensorRecord& tensor, const Piece& p, uint64_t from, uint64_t to,
                             char* dest, bool verify) {
   if (from >= to) return;
-  ReadableFile& f = file(p.file);
+  ReadableFile& f = piece_file(tensor, p);
   const auto path = step_dir_ / p.file;
-  const uint64_t size = file_sizes_[p.file];
-  LOOM_CHECK(p.offset + p.bytes <= size, CorruptData, "checkpoint step ", manifest_.step,
-             ": tensor \"", tensor.name, "\": file ", path.string(), " is truncated (", size,
-             " bytes; the tensor's piece ends at byte ", p.offset + p.bytes,
-             "). Load an earlier step (load_latest_valid) or restore the file.");
   auto truncated = [&] {
     return CorruptData(detail::concat("checkpoint step ", manifest_.step, ": tensor \"",
                                       tensor.name, "\": file ", path.string(),
@@ -52,7 +59,7 @@ void StepReader::read_piece(const TensorRecord& tensor, const Piece& p, uint64_t
     const bool whole = from <= cs && ce <= to;
     char* target = dest + (cs - from);  // only used when whole
     if (!whole) {
-      scratch_.resize(cb);
+      scratch_.resize(std::min(cb, p.bytes));  // bounded by the file's size (piece_file)
       target = scratch_.data();
     }
     if (!read_exact(f, p.offset + cs, target, ce - cs)) throw truncated();
@@ -98,6 +105,7 @@ uint64_t StepReader::verify_all() {
                  t.name, "\" of file ", (step_dir_ / p.file).string(),
                  ": the manifest's chunk hashes hash to ", util::hash_hex(hash),
                  ", its piece hash is ", util::hash_hex(p.hash), " (the manifest is corrupt)");
+      piece_file(t, p);  // the piece is inside its file before anything is allocated for it
       buffer.resize(std::min(p.bytes, p.chunk_bytes));
       for (uint64_t cs = 0; cs < p.bytes; cs += p.chunk_bytes)
         read_piece(t, p, cs, std::min(p.bytes, cs + p.chunk_bytes), buffer.data(), true);

@@ -33,6 +33,8 @@ class StepReader {
 
  private:
   ReadableFile& file(const std::string& name);
+  // The file holding piece p, checked to be long enough for it: CorruptData (truncated) if not.
+  ReadableFile& piece_file(const TensorRecord& tensor, const Piece& p);
   // Bytes [from, to) of piece p (relative to the piece) into dest.
   void read_piece(const TensorRecord& tensor, const Piece& p, uint64_t from, uint64_t to,
                   char* dest, bool verify);

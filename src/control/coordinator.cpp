@@ -28,6 +28,14 @@ using std::chrono::milliseconds;
 
 // Blocking store calls wait in slices so that a cancelled call or a shutdown frees its thread.
 constexpr milliseconds kSlice{200};
+// Workers one node may run (the launcher's --nproc-per-node bound).
+constexpr int kMaxNproc = 4096;
+
+// A client's timeout_ms as a wait: negative is 0, and at most a day, so that adding it to
+// Clock::now() cannot overflow (INT64_MAX ms is past the clock's range).
+milliseconds rpc_wait(int64_t timeout_ms) {
+  return milliseconds(std::clamp<int64_t>(timeout_ms, 0, int64_t{24} * 3600 * 1000));
+}
 
 bool is_loopback(const std::string& address) {
   const std::string host = address.substr(0, address.rfind(':'));
@@ -182,8 +190,7 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
   grpc::Status Get(grpc::ServerContext* c, const v1::GetRequest* req,
                    v1::GetReply* reply) override {
     if (auto s = check_token(c, "Get"); !s.ok()) return s;
-    if (!wait_keys(c, {req->key()}, milliseconds(req->timeout_ms())).empty())
-      return grpc::Status::OK;
+    if (!wait_keys(c, {req->key()}, rpc_wait(req->timeout_ms())).empty()) return grpc::Status::OK;
     reply->set_found(true);
     reply->set_value(store.get(req->key(), milliseconds(0)));
     return grpc::Status::OK;
@@ -211,7 +218,7 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
                     v1::WaitReply* reply) override {
     if (auto s = check_token(c, "Wait"); !s.ok()) return s;
     for (auto& k :
-         wait_keys(c, {req->keys().begin(), req->keys().end()}, milliseconds(req->timeout_ms()))) {
+         wait_keys(c, {req->keys().begin(), req->keys().end()}, rpc_wait(req->timeout_ms()))) {
       reply->add_missing(k);
     }
     return grpc::Status::OK;
@@ -304,7 +311,15 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
   grpc::Status Join(grpc::ServerContext* c, const v1::JoinRequest* req,
                     v1::JoinReply* reply) override {
     if (auto s = check_token(c, "Join"); !s.ok()) return s;
-    const auto deadline = Clock::now() + milliseconds(req->timeout_ms());
+    // A node's count and hint become ranks and the world size: refuse what cannot be one.
+    if (req->node_id().empty() || req->node_id().size() > 1024 || req->nproc() < 1 ||
+        req->nproc() > kMaxNproc || req->node_rank_hint() < -1) {
+      return {grpc::StatusCode::INVALID_ARGUMENT,
+              detail::concat("Join from node '", req->node_id().substr(0, 64), "': nproc ",
+                             req->nproc(), " must be in [1, ", kMaxNproc, "], node_rank_hint ",
+                             req->node_rank_hint(), " >= -1, and the node id 1 to 1024 bytes")};
+    }
+    const auto deadline = Clock::now() + rpc_wait(req->timeout_ms());
     std::unique_lock<std::mutex> lock(mutex);
     if (auto it = assigned.find(req->node_id()); it != assigned.end() && state == v1::RUNNING) {
       *reply = it->second;  // the round closed between two of this agent's Join calls
@@ -347,6 +362,11 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
                          v1::HeartbeatReply* reply) override {
     if (auto s = check_token(c, "Heartbeat"); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(mutex);
+    if (req->rank() >= world_size && req->generation() == generation) {
+      return {grpc::StatusCode::INVALID_ARGUMENT,
+              detail::concat("Heartbeat from rank ", req->rank(), " of generation ", generation,
+                             ", whose world size is ", world_size)};
+    }
     if (req->generation() == generation && state == v1::RUNNING) {
       if (req->rank() >= 0) {
         Worker& w = workers[req->rank()];

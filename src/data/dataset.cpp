@@ -4,7 +4,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <type_traits>
 
 #include "data/shard_format.h"
 #include "loom/error.h"
@@ -65,10 +67,24 @@ std::string version_of(const Manifest& m) {
   return util::hash_hex(util::xxh64(content_json(m).dump()));
 }
 
+// j[key] as T. nlohmann converts between number kinds silently (-5 read as uint64_t is
+// 2^64 - 5, 2^40 read as int is 0), so an integer must be one and fit T.
 template <typename T>
 T get(const json& j, const char* key, const fs::path& file) {
   try {
-    return j.at(key).get<T>();
+    const json& value = j.at(key);
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      using Limits = std::numeric_limits<T>;
+      bool fits = false;
+      if (value.is_number_unsigned()) {
+        fits = value.get<uint64_t>() <= static_cast<uint64_t>(Limits::max());
+      } else if (value.is_number_integer()) {  // negative
+        if constexpr (std::is_signed_v<T>) fits = value.get<int64_t>() >= Limits::min();
+      }
+      LOOM_CHECK(fits, CorruptData, file.string(), ": field \"", key, "\" is ", value.dump(),
+                 ", not ", std::is_unsigned_v<T> ? "a non-negative integer" : "an integer");
+    }
+    return value.get<T>();
   } catch (const json::exception& e) {
     throw CorruptData(detail::concat(file.string(), ": field \"", key,
                                      "\" is missing or has the wrong type (", e.what(), ")"));
@@ -76,8 +92,8 @@ T get(const json& j, const char* key, const fs::path& file) {
 }
 
 Manifest parse_manifest(const json& j, const fs::path& file) {
-  LOOM_CHECK(j.is_object() && j.value("format", "") == "loom-dataset", CorruptData, file.string(),
-             " is not a Loom dataset manifest");
+  LOOM_CHECK(j.is_object() && j.contains("format") && j["format"] == "loom-dataset", CorruptData,
+             file.string(), " is not a Loom dataset manifest");
   const int version = get<int>(j, "format_version", file);
   LOOM_CHECK(version == Manifest::kFormatVersion, CorruptData, file.string(),
              " has format version ", version, "; this Loom reads version ",
@@ -92,8 +108,7 @@ Manifest parse_manifest(const json& j, const fs::path& file) {
   for (const json& e : get<json>(j, "shards", file)) {
     ShardInfo s;
     s.file = get<std::string>(e, "file", file);
-    LOOM_CHECK(!s.file.empty() && s.file.find('/') == std::string::npos && s.file[0] != '.',
-               CorruptData, file.string(), ": shard file name '", s.file, "' is not a plain name");
+    util::check_plain_file_name(s.file, file.string(), "shard file name");
     s.bytes = get<uint64_t>(e, "bytes", file);
     s.xxhash64 = util::parse_hash_hex(get<std::string>(e, "xxhash64", file),
                                       file.string() + " shard " + s.file);
@@ -109,6 +124,8 @@ Manifest parse_manifest(const json& j, const fs::path& file) {
     m.vocab_size = get<uint64_t>(j, "vocab_size", file);
     m.eos_id = get<int64_t>(j, "eos_id", file);
     m.tokenizer = get<std::string>(j, "tokenizer", file);
+    if (!m.tokenizer.empty())
+      util::check_plain_file_name(m.tokenizer, file.string(), "tokenizer file name");
   } else {
     for (const json& e : get<json>(j, "schema", file)) {
       Field f;

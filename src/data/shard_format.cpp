@@ -1,6 +1,7 @@
 // Encoding and checked decoding of token and record shards.
 #include "data/shard_format.h"
 
+#include <algorithm>
 #include <map>
 
 #include "loom/error.h"
@@ -164,6 +165,12 @@ std::string decode_record(const std::vector<Field>& schema, const uint8_t* paylo
           const int64_t d = view.dims[k];
           if (d < 0 || d > (int64_t{1} << 40)) return "field '" + field.name + "' has a bad shape";
           numel *= static_cast<uint64_t>(d);
+          // More elements than the record has bytes (this also keeps the product from wrapping).
+          if (numel > size) return "field '" + field.name + "' runs past the record";
+        }
+        if (!field.shape.empty() &&
+            !std::equal(field.shape.begin(), field.shape.end(), view.dims, view.dims + ndim)) {
+          return "field '" + field.name + "' does not have the schema's shape";
         }
         view.size = numel * dtype_size(field.dtype);
         if (!(view.data = take(view.size)))
@@ -187,10 +194,15 @@ TokenShard::TokenShard(const std::filesystem::path& dir, const ShardInfo& info,
   LOOM_CHECK(h.num_tokens == info.items && h.num_documents == info.documents, CorruptData, name,
              " holds ", h.num_tokens, " tokens in ", h.num_documents,
              " documents; the manifest says ", info.items, " in ", info.documents);
-  const uint64_t index_end = h.index_offset + (h.num_documents + 1) * 8;
-  LOOM_CHECK(h.index_offset >= sizeof(TokenHeader) + h.num_tokens * h.token_bytes &&
-                 index_end == file_.size(),
-             CorruptData, name, ": its document index does not fit the file");
+  // Each count is bounded by the file's size first, so that no product or sum below wraps.
+  const uint64_t size = file_.size();
+  LOOM_CHECK(h.num_tokens <= size / h.token_bytes && h.num_documents < size / 8 &&
+                 h.index_offset <= size &&
+                 h.index_offset >= sizeof(TokenHeader) + h.num_tokens * h.token_bytes &&
+                 size - h.index_offset == (h.num_documents + 1) * 8,
+             CorruptData, name, ": its document index does not fit the file (", h.num_tokens,
+             " tokens, ", h.num_documents, " documents, index at byte ", h.index_offset, " of ",
+             size, ")");
   LOOM_CHECK(doc_offset(0) == 0 && doc_offset(h.num_documents) == h.num_tokens, CorruptData, name,
              ": its document index does not span its tokens");
 }
@@ -208,9 +220,11 @@ RecordShard::RecordShard(const std::filesystem::path& dir, const ShardInfo& info
   index_offset_ = h->index_offset;
   LOOM_CHECK(num_records_ == info.items, CorruptData, name, " holds ", num_records_,
              " records; the manifest says ", info.items);
-  LOOM_CHECK(index_offset_ >= sizeof(RecordHeader) &&
-                 index_offset_ + (num_records_ + 1) * 8 == file_.size(),
-             CorruptData, name, ": its record index does not fit the file");
+  LOOM_CHECK(num_records_ < file_.size() / 8 && index_offset_ >= sizeof(RecordHeader) &&
+                 index_offset_ <= file_.size() &&
+                 file_.size() - index_offset_ == (num_records_ + 1) * 8,
+             CorruptData, name, ": its record index does not fit the file (", num_records_,
+             " records, index at byte ", index_offset_, " of ", file_.size(), ")");
   LOOM_CHECK(offset(0) == sizeof(RecordHeader) && offset(num_records_) == index_offset_,
              CorruptData, name, ": its record index does not span its records");
 }
@@ -222,7 +236,7 @@ uint64_t RecordShard::offset(uint64_t i) const {
 std::string RecordShard::check(uint64_t i, Payload* payload) const {
   const uint64_t begin = offset(i);
   const uint64_t end = offset(i + 1);
-  if (begin < sizeof(RecordHeader) || end > index_offset_ || end < begin + 8) {
+  if (begin < sizeof(RecordHeader) || end > index_offset_ || end < begin || end - begin < 8) {
     return "its index entry is corrupt";
   }
   const uint8_t* p = file_.data() + begin;

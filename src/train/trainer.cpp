@@ -74,7 +74,8 @@ ConfigSchema TrainOptions::schema() {
   s.add("train.steps", int64_t{1000}, "optimizer steps of the whole run");
   s.add("train.micro_batches", int64_t{1}, "gradient accumulation: micro-batches per step");
   s.add("train.grad_clip", 1.0, "max global gradient norm; 0 = no clipping");
-  s.add("train.lr", 1e-3, "peak learning rate");
+  s.add("train.lr", 1e-3,
+        "peak learning rate; unset with the constant schedule: the optimizer's own rate");
   s.add("train.min_lr", 0.0, "learning rate at the end of the cosine decay");
   s.add("train.warmup_steps", int64_t{0}, "linear warmup steps");
   s.add("train.schedule", "constant", "constant or cosine (linear warmup + cosine decay)");
@@ -85,6 +86,8 @@ ConfigSchema TrainOptions::schema() {
   s.add("train.on_non_finite", "stop", "stop (error naming the parameter) or skip the step");
   s.add("train.log_every", int64_t{10}, "steps between metrics log lines (without a terminal)");
   s.add("train.resume", true, "resume from the newest committed checkpoint in <run.dir>/ckpt");
+  s.add("train.resume_strict", true,
+        "resuming, a saved tensor or blob the model does not have is an error (false: warn)");
   return s;
 }
 
@@ -96,12 +99,15 @@ TrainOptions TrainOptions::from(const Config& c) {
   const auto schedule = c.get<std::string>("train.schedule");
   LOOM_CHECK(schedule == "constant" || schedule == "cosine", ConfigError,
              "train.schedule must be constant or cosine, got '", schedule, "'");
-  o.schedule = schedule == "constant"
-                   ? Schedule::constant(c.get<double>("train.lr"))
-                   : Schedule::warmup_cosine({.lr = c.get<double>("train.lr"),
-                                              .min_lr = c.get<double>("train.min_lr"),
-                                              .warmup_steps = c.get<int64_t>("train.warmup_steps"),
-                                              .total_steps = o.steps});
+  const bool lr_set = c.source("train.lr") != ConfigSource::kDefault;
+  if (schedule == "cosine") {
+    o.schedule = Schedule::warmup_cosine({.lr = c.get<double>("train.lr"),
+                                          .min_lr = c.get<double>("train.min_lr"),
+                                          .warmup_steps = c.get<int64_t>("train.warmup_steps"),
+                                          .total_steps = o.steps});
+  } else if (lr_set) {
+    o.schedule = Schedule::constant(c.get<double>("train.lr"));
+  }  // else unset: the optimizer's rate
   o.eval_every = c.get<int64_t>("train.eval_every");
   o.checkpoint_every = c.get<int64_t>("train.checkpoint_every");
   o.keep_last = c.get<int>("train.keep_last");
@@ -111,6 +117,7 @@ TrainOptions TrainOptions::from(const Config& c) {
   o.on_non_finite = non_finite == "stop" ? NonFinite::kStop : NonFinite::kSkip;
   o.log_every = c.get<int64_t>("train.log_every");
   o.resume = c.get<bool>("train.resume");
+  o.resume_strict = c.get<bool>("train.resume_strict");
   return o;
 }
 
@@ -160,6 +167,21 @@ struct Trainer::Impl {
     rng_buffer = at::detail::getDefaultCPUGenerator().get_state().clone();
   }
 
+  // Unset: the optimizer's rate, constant. Set and differing from it: say so, naming both,
+  // since the schedule replaces the optimizer's rate at every step.
+  void resolve_schedule() {
+    const double optimizer_lr = dp.optimizer().lr();
+    if (!options.schedule) {
+      options.schedule = Schedule::constant(optimizer_lr);
+    } else if (options.schedule->peak() != optimizer_lr) {
+      rt.log().warn(
+          "the learning-rate schedule {} (train.lr = {}) differs from the optimizer's learning "
+          "rate {}: the schedule sets the rate at every step, so {} is not used. Leave train.lr "
+          "unset to train at the optimizer's rate, or make them agree",
+          options.schedule->describe(), options.schedule->peak(), optimizer_lr, optimizer_lr);
+    }
+  }
+
   // What a checkpoint holds, as views of the live state. Built anew for every save: the
   // DataParallel's "optim" blob (the optimizer's step count) changes every step.
   ckpt::State describe_state() {
@@ -189,7 +211,11 @@ struct Trainer::Impl {
     }
     state.blobs["trainer"] = "";
     state.blobs["reader"] = "";
-    const int64_t loaded = checkpointer->load(newest.step, state, {.strict = same_world});
+    // Left out knowingly: the saved config (the run's own config governs), and at another
+    // world size the per-rank RNG streams, which have no meaning there.
+    ckpt::LoadOptions load{.strict = options.resume_strict, .leave_out = {"config"}};
+    if (!same_world) load.leave_out.push_back("rng/cpu");
+    const int64_t loaded = checkpointer->load(newest.step, state, load);
     dp.load_state(state);
     const json trainer = json::parse(state.blobs.at("trainer"));
     step = trainer.at("step").get<int64_t>();
@@ -277,7 +303,7 @@ struct Trainer::Impl {
       auto phase = timer.phase(Phase::kOptimizer);
       info.grad_norm = dp.clip_grad_norm(
           options.grad_clip > 0 ? options.grad_clip : std::numeric_limits<double>::infinity());
-      info.lr = options.schedule(step);
+      info.lr = (*options.schedule)(step);
     }
     if (!std::isfinite(info.grad_norm)) {
       LOOM_CHECK(options.on_non_finite == NonFinite::kSkip, Error, "step ", step,
@@ -326,6 +352,7 @@ struct Trainer::Impl {
                                                 ? metrics::peak_flops(rt.device())
                                                 : metrics::PeakFlops{},
                                     .log_every = options.log_every});
+    resolve_schedule();
     open_checkpointer();
     FitResult result;
     resume();

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 
 #include "loom/error.h"
 #include "util/fd.h"
@@ -14,7 +15,34 @@ namespace {
 
 std::atomic<uint64_t> temp_counter{0};
 
+// The name with control bytes (NUL, newlines) written as \xNN, for error messages.
+std::string escaped(std::string_view name) {
+  std::string out;
+  for (unsigned char c : name) {
+    if (c < 0x20 || c == 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 }  // namespace
+
+bool is_plain_file_name(std::string_view name) {
+  return !name.empty() && name.size() <= 255 && name.front() != '.' &&
+         name.find('/') == std::string_view::npos && name.find('\0') == std::string_view::npos &&
+         name.find("..") == std::string_view::npos;
+}
+
+void check_plain_file_name(std::string_view name, const std::string& what, const char* role) {
+  LOOM_CHECK(is_plain_file_name(name), CorruptData, what, ": ", role, " \"", escaped(name),
+             "\" is not a plain file name (a name inside the directory: no '/', no '..', no NUL, "
+             "not starting with '.'); the file was edited or is not what it claims to be");
+}
 
 void fsync_dir(const std::filesystem::path& dir) {
   UniqueFd fd(

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <string>
+#include <string_view>
 
 namespace loom::util {
 
@@ -14,6 +15,16 @@ void write_file_atomic(const std::filesystem::path& path, const std::string& con
 
 // The whole file. A missing or unreadable file is IoError naming the path.
 std::string read_file(const std::filesystem::path& path);
+
+// Whether `name` is a plain file name, safe to join to a directory: not empty, at most 255
+// bytes, no '/', no NUL, no "..", and not starting with '.'. Every file name read from a
+// file or the network (dataset and checkpoint manifests, RPCs) must pass before it becomes
+// a path, so that nothing outside the directory is ever opened.
+bool is_plain_file_name(std::string_view name);
+
+// Throws CorruptData "<what>: <role> \"<name>\" is not a plain file name ..." unless
+// is_plain_file_name(name); the name is quoted with control bytes escaped.
+void check_plain_file_name(std::string_view name, const std::string& what, const char* role);
 
 // fsyncs a directory so that a rename or create inside it is durable.
 void fsync_dir(const std::filesystem::path& dir);

@@ -5,9 +5,12 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include "harness/harness.h"
 #include "loom/ckpt/checkpointer.h"
 #include "loom/comm/store.h"
+#include "util/files.h"
 
 namespace loom {
 namespace {
@@ -73,6 +76,24 @@ TEST(CkptCli, VerifyPassesThenNamesTheCorruptTensorAndFile) {
   EXPECT_TRUE(contains(run.output, "\"model.w\"")) << run.output;
   EXPECT_TRUE(contains(run.output, file.string())) << run.output;
   EXPECT_EQ(run_loom(dir, {"ckpt", "verify", ckpt.string(), "100"}).exit_code, 0);
+}
+
+TEST(CkptCli, VerifyRefusesAManifestPointingOutsideItsDirectory) {
+  testing::TempDir dir;
+  auto ckpt = make_checkpoints(dir);
+  const auto manifest = ckpt / "step_00000200" / "manifest.json";
+  auto j = nlohmann::json::parse(util::read_file(manifest));
+  j["files"][0]["name"] = "../../../etc/hostname";
+  for (auto& t : j["tensors"])
+    for (auto& p : t["pieces"]) p["file"] = "../../../etc/hostname";
+  util::write_file_atomic(manifest, j.dump(1));
+  auto run = run_loom(dir, {"ckpt", "verify", ckpt.string(), "200"});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_TRUE(contains(run.output, "CORRUPT")) << run.output;
+  EXPECT_TRUE(contains(run.output, manifest.string())) << run.output;
+  EXPECT_TRUE(contains(run.output, "\"../../../etc/hostname\" is not a plain file name"))
+      << run.output;
+  EXPECT_FALSE(contains(run.output, "/etc/hostname is truncated")) << run.output;
 }
 
 TEST(CkptCli, BadInputExitsTwo) {

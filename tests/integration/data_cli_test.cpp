@@ -112,6 +112,35 @@ TEST(DataCli, FashionMnistBecomesARecordDatasetThatReadsBack) {
   EXPECT_TRUE(contains(missing.output, "does not exist")) << missing.output;
 }
 
+// An IDX header is a length field: three dimensions of 2^22, 2^21, 2^21 multiply to 2^64,
+// which wraps to 0 and would "match" a file with no data (then be read as 2^22 images).
+TEST(DataCli, IdxHeadersPromisingMoreThanTheFileAreCorrupt) {
+  TempDir dir;
+  auto write_idx = [&](const std::string& name, uint32_t magic, std::vector<uint32_t> dims,
+                       size_t data_bytes) {
+    std::string bytes;
+    auto be32 = [&](uint32_t v) {
+      for (int s = 24; s >= 0; s -= 8) bytes.push_back(static_cast<char>((v >> s) & 0xff));
+    };
+    be32(magic);
+    for (uint32_t d : dims) be32(d);
+    bytes.append(data_bytes, '\0');
+    std::ofstream(dir / name, std::ios::binary) << bytes;
+    return (dir / name).string();
+  };
+  const std::string labels = write_idx("labels", 0x801, {2}, 2);
+  for (const auto& dims :
+       std::vector<std::vector<uint32_t>>{{1u << 22, 1u << 21, 1u << 21}, {2, 28, 28}}) {
+    const std::string images = write_idx("images", 0x803, dims, 0);
+    ProgramResult r = loom({"data", "build", "fashion-mnist", "--images", images, "--labels",
+                            labels, "--out", (dir / "out").string()},
+                           dir);
+    EXPECT_EQ(r.exit_code, 1) << r.output;  // CorruptData: the command failed on its input
+    EXPECT_NE(r.output.find(images + " holds 0 data bytes, its header promises"), std::string::npos)
+        << r.output;
+  }
+}
+
 TEST(DataCli, JsonlBecomesARecordDataset) {
   TempDir dir;
   {

@@ -317,6 +317,22 @@ TEST_F(Launcher, BadArgumentsAreClearErrors) {
   r = run({"--coordinator", "0.0.0.0:0", "--node-rank", "0", "--", kProbe});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("--coordinator-public"), std::string::npos) << r.output;
+  // Zero workers is not a job that "succeeds" by running nothing (issue 23), nor are
+  // negative or absurd counts.
+  for (const char* n : {"0", "-1", "4097", "two"}) {
+    r = run({"--nproc-per-node", n, "--", kProbe});
+    EXPECT_EQ(r.exit_code, 2) << n << ": " << r.output;
+    EXPECT_NE(r.output.find("--nproc-per-node"), std::string::npos) << n << ": " << r.output;
+    EXPECT_EQ(r.output.find("the job is done"), std::string::npos) << n << ": " << r.output;
+  }
+  // Slurm's environment is input too: a malformed count names its variable.
+  auto slurm =
+      testing::run_program({"/usr/bin/env", "SLURM_JOB_ID=1", "SLURM_NODEID=0", "SLURM_NNODES=1",
+                            "SLURM_NTASKS_PER_NODE=lots", kLoom, "run", "--", kProbe},
+                           dir.path());
+  EXPECT_EQ(slurm.exit_code, 2) << slurm.output;
+  EXPECT_NE(slurm.output.find("$SLURM_NTASKS_PER_NODE is 'lots'"), std::string::npos)
+      << slurm.output;
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <csignal>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
@@ -121,6 +122,69 @@ TEST_F(Trainer, ResumesAtAnotherWorldSize) {
   EXPECT_NE(one.output.find("world size 1 from a checkpoint saved at 2"), std::string::npos)
       << one.output;
   EXPECT_EQ(losses("elastic", 0).size(), 12u);
+}
+
+// The issue-23 model change: the hidden layer lost its bias since the save. Resuming (here at
+// another world size, where the per-rank RNG is knowingly left out) names the dropped
+// tensors; train.resume_strict=false resumes and warns with the same names.
+TEST_F(Trainer, ResumingAChangedModelNamesWhatTheCheckpointHasAndTheModelNot) {
+  ASSERT_EQ(run("changed", 2, {"--train.steps=4"}).exit_code, 0);
+  auto strict = run("changed", 1, {"--train.steps=6", "--probe.hidden_bias=false"});
+  EXPECT_NE(strict.exit_code, 0) << strict.output;
+  for (const char* name :
+       {"tensor \"model/hidden.bias\" is in the checkpoint but the state does "
+        "not have it",
+        "tensor \"optim/hidden.bias/exp_avg\"", "tensor \"optim/hidden.bias/exp_avg_sq\""}) {
+    EXPECT_NE(strict.output.find(name), std::string::npos) << name << "\n" << strict.output;
+  }
+  EXPECT_EQ(strict.output.find("resumed from checkpoint"), std::string::npos) << strict.output;
+  auto lenient =
+      run("changed", 1,
+          {"--train.steps=6", "--probe.hidden_bias=false", "--train.resume_strict=false"});
+  ASSERT_EQ(lenient.exit_code, 0) << lenient.output;
+  EXPECT_NE(lenient.output.find("left out 3 entries the state does not have: tensor "
+                                "\"model/hidden.bias\""),
+            std::string::npos)
+      << lenient.output;
+  EXPECT_NE(lenient.output.find("resumed from checkpoint step 4"), std::string::npos)
+      << lenient.output;
+  // The unchanged model resumes at the same world size without a word about left-out entries.
+  ASSERT_EQ(run("same", 2, {"--train.steps=4"}).exit_code, 0);
+  auto same = run("same", 2, {"--train.steps=6"});
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_EQ(same.output.find("left out"), std::string::npos) << same.output;
+}
+
+// The learning rate of each step of rank 0's metrics.jsonl.
+std::vector<double> logged_lrs(const fs::path& run_dir) {
+  std::vector<double> out;
+  std::ifstream in(run_dir / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("lr")) out.push_back(j["lr"].get<double>());
+  }
+  return out;
+}
+
+// train.lr unset: the optimizer's own rate. Set and different: the schedule's rate, and a
+// warning naming both.
+TEST_F(Trainer, TheOptimizersRateIsUsedUnlessTrainLrIsSetAndThenADifferenceIsAWarning) {
+  auto own = run("own", 1, {"--train.steps=3", "--probe.optimizer_lr=0.01"});
+  ASSERT_EQ(own.exit_code, 0) << own.output;
+  EXPECT_EQ(logged_lrs(dir_ / "own"), std::vector<double>(3, 0.01)) << own.output;
+  EXPECT_EQ(own.output.find("differs from the optimizer's"), std::string::npos) << own.output;
+
+  auto set = run("set", 1,
+                 {
+                     "--train.steps=3",
+                     "--probe.optimizer_lr=0.01",
+                     "--train.lr=0.002",
+                 });
+  ASSERT_EQ(set.exit_code, 0) << set.output;
+  EXPECT_EQ(logged_lrs(dir_ / "set"), std::vector<double>(3, 0.002)) << set.output;
+  EXPECT_NE(set.output.find("(train.lr = 0.002) differs from the optimizer's learning rate 0.01"),
+            std::string::npos)
+      << set.output;
 }
 
 TEST_F(Trainer, SigtermFinishesTheStepAndSaves) {

@@ -1,7 +1,8 @@
 // A small language model trained through train::Trainer, for the trainer's end-to-end tests:
 // DDP or ZeRO from the config, async checkpoints, resume. Every step's rank-local loss is
 // appended to <run_dir>/losses_rank<r>.txt as "<step> <loss in hexfloat>", so that tests can
-// compare runs bit for bit; probe.kill_at_step makes rank 1 SIGKILL itself in generation 1.
+// compare runs bit for bit; probe.kill_at_step makes rank 1 SIGKILL itself in generation 1;
+// probe.hidden_bias=false changes the model, probe.optimizer_lr the optimizer's own rate.
 #include <loom/loom.h>
 #include <torch/torch.h>
 
@@ -11,9 +12,10 @@
 namespace {
 
 struct TinyLmImpl : torch::nn::Module {
-  TinyLmImpl(int64_t vocab, int64_t dim)
+  TinyLmImpl(int64_t vocab, int64_t dim, bool hidden_bias)
       : embed(register_module("embed", torch::nn::Embedding(vocab, dim))),
-        hidden(register_module("hidden", torch::nn::Linear(dim, dim))),
+        hidden(register_module(
+            "hidden", torch::nn::Linear(torch::nn::LinearOptions(dim, dim).bias(hidden_bias)))),
         out(register_module("out", torch::nn::Linear(dim, vocab))) {}
   torch::Tensor forward(const torch::Tensor& tokens) {
     return out(torch::dropout(torch::tanh(hidden(embed(tokens))), 0.1, is_training()));
@@ -41,17 +43,21 @@ int main(int argc, char** argv) {
   keys.add("probe.seq_len", int64_t{16}, "tokens per sample");
   keys.add("probe.kill_at_step", int64_t{-1},
            "rank 1 SIGKILLs itself before this step in generation 1");
+  keys.add("probe.hidden_bias", true, "the hidden layer has a bias (false: a changed model)");
+  keys.add("probe.optimizer_lr", 1e-3, "the AdamW optimizer's own learning rate");
   return loom::run_main(argc, argv, keys, [](loom::Runtime& rt) {
     const loom::Config& cfg = rt.config();
     auto reader = rt.open_dataset(cfg.get<std::string>("probe.data"),
                                   {.batch_size = cfg.get<int64_t>("probe.batch"),
                                    .seq_len = cfg.get<int64_t>("probe.seq_len"),
                                    .seed = rt.seed()});
-    TinyLm model(static_cast<int64_t>(reader->manifest().vocab_size), 32);
+    TinyLm model(static_cast<int64_t>(reader->manifest().vocab_size), 32,
+                 cfg.get<bool>("probe.hidden_bias"));
     loom::parallel::DataParallel dp(
         model.ptr(), rt.world_group(),
         {.bucket_bytes = 4096, .zero_stage = stage_of(cfg.get<std::string>("probe.mode"))});
-    dp.set_optimizer(std::make_unique<loom::optim::AdamW>(loom::optim::AdamWOptions{}));
+    dp.set_optimizer(std::make_unique<loom::optim::AdamW>(
+        loom::optim::AdamWOptions{.lr = cfg.get<double>("probe.optimizer_lr")}));
     at::manual_seed(rt.rank_seed());  // dropout differs per rank, reproducibly
     const int64_t kill_at = cfg.get<int64_t>("probe.kill_at_step");
     std::FILE* losses = std::fopen(

@@ -116,6 +116,20 @@ TEST(Topology, BadValuesNameTheVariable) {
     ScopedEnv env({{"MASTER_ADDR", "host"}});
     EXPECT_THROW(Topology::from_env(), InvalidArgument);
   }
+  // Out of range: beyond long, beyond the 2^24 bound, negative.
+  for (const auto& [name, value] :
+       std::vector<std::pair<std::string, std::string>>{{"LOOM_WORLD_SIZE", "99999999999999999999"},
+                                                        {"WORLD_SIZE", "16777217"},
+                                                        {"LOOM_GENERATION", "-1"},
+                                                        {"LOCAL_RANK", "1\n"}}) {
+    ScopedEnv env({{name.c_str(), value.c_str()}});
+    try {
+      Topology::from_env();
+      ADD_FAILURE() << name << "=" << value << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(name + "='"), std::string::npos) << e.what();
+    }
+  }
 }
 
 Config config_in(const testing::TempDir& dir, std::vector<std::string> extra = {}) {

@@ -37,10 +37,16 @@ IdxArray read_idx(const std::filesystem::path& path, uint32_t dims) {
   LOOM_CHECK(bytes.size() >= header && be32(bytes, 0) == (0x800u | dims), CorruptData,
              path.string(), " is not a uint8 IDX file with ", dims, " dimension(s)");
   IdxArray out;
+  // The product of the dimensions is bounded by the bytes there are at every step, so that
+  // 2^22 * 2^21 * 2^21 cannot wrap to 0 and "match" an empty file.
   size_t total = 1;
+  const size_t data_bytes = bytes.size() - header;
   for (uint32_t d = 0; d < dims; ++d) {
     out.shape.push_back(be32(bytes, 4 + 4 * d));
     total *= static_cast<size_t>(out.shape.back());
+    LOOM_CHECK(total <= data_bytes, CorruptData, path.string(), " holds ", data_bytes,
+               " data bytes, its header promises more (dimension ", d, " is ", out.shape.back(),
+               ")");
   }
   LOOM_CHECK(bytes.size() == header + total, CorruptData, path.string(), " holds ",
              bytes.size() - header, " data bytes, its header promises ", total);

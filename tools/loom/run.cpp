@@ -16,7 +16,7 @@ namespace {
 
 struct RunArgs {
   std::string nnodes = "1";
-  int nproc_per_node = 0;  // 0: $SLURM_NTASKS_PER_NODE or 1
+  int nproc_per_node = -1;  // not given: $SLURM_NTASKS_PER_NODE or 1
   int node_rank = -1;
   std::string coordinator;
   bool coordinator_public = false;
@@ -33,6 +33,24 @@ struct RunArgs {
 std::string env(const char* name) {
   const char* v = std::getenv(name);
   return v ? v : "";
+}
+
+// A count from Slurm's environment ("4", or "4(x2)" for SLURM_NTASKS_PER_NODE): an integer in
+// [min, 4096] or InvalidArgument naming the variable.
+int slurm_count(const char* name, int min) {
+  const std::string text = env(name);
+  const std::string number = text.substr(0, text.find('('));
+  size_t used = 0;
+  int value = -1;
+  try {
+    value = std::stoi(number, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  LOOM_CHECK(used == number.size() && !number.empty() && value >= min && value <= 4096,
+             InvalidArgument, "$", name, " is '", text, "'; expected an integer in [", min,
+             ", 4096]");
+  return value;
 }
 
 // The first host of a Slurm node list: "gpu[01-04,07]" -> "gpu01", "a,b" -> "a".
@@ -63,17 +81,16 @@ int run(RunArgs args) {
   // Slurm: one `loom run` per node (srun --ntasks-per-node=1 loom run ...).
   if (!env("SLURM_JOB_ID").empty() && !env("SLURM_NODEID").empty()) {
     if (args.nnodes == "1" && !env("SLURM_NNODES").empty())
-      o.min_nodes = o.max_nodes = std::stoi(env("SLURM_NNODES"));
-    if (args.node_rank < 0) args.node_rank = std::stoi(env("SLURM_NODEID"));
+      o.min_nodes = o.max_nodes = slurm_count("SLURM_NNODES", 1);
+    if (args.node_rank < 0) args.node_rank = slurm_count("SLURM_NODEID", 0);
     if (args.coordinator.empty() && !env("SLURM_JOB_NODELIST").empty()) {
       args.coordinator = first_slurm_host(env("SLURM_JOB_NODELIST")) + ":29400";
     }
-    if (args.nproc_per_node == 0 && !env("SLURM_NTASKS_PER_NODE").empty()) {
-      args.nproc_per_node =
-          std::stoi(env("SLURM_NTASKS_PER_NODE").substr(0, env("SLURM_NTASKS_PER_NODE").find('(')));
+    if (args.nproc_per_node < 0 && !env("SLURM_NTASKS_PER_NODE").empty()) {
+      args.nproc_per_node = slurm_count("SLURM_NTASKS_PER_NODE", 1);
     }
   }
-  o.nproc_per_node = args.nproc_per_node == 0 ? 1 : args.nproc_per_node;
+  o.nproc_per_node = args.nproc_per_node < 0 ? 1 : args.nproc_per_node;
   o.node_rank = args.node_rank;
   o.coordinator = args.coordinator;
   o.host_coordinator = !args.coordinator.empty() && args.node_rank == 0;
@@ -115,8 +132,8 @@ void register_run(CLI::App& app, Action& action) {
       ->capture_default_str();
   run_cmd
       ->add_option("--nproc-per-node", args->nproc_per_node,
-                   "workers on this node (default 1, or Slurm's)")
-      ->check(CLI::Range(0, 4096));
+                   "workers on this node, 1 to 4096 (default 1, or Slurm's)")
+      ->check(CLI::Range(1, 4096));
   run_cmd->add_option("--node-rank", args->node_rank,
                       "this node's rank; node 0 hosts the coordinator");
   run_cmd->add_option(

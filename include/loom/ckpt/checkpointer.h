@@ -84,10 +84,15 @@ struct SaveOptions {
 
 struct LoadOptions {
   bool verify = true;  // hash every chunk read; a mismatch is CorruptData
-  // true: every tensor of the checkpoint must be asked for, none may be missing. false: the
-  // checkpoint may hold tensors the caller does not ask for (e.g. load only the model).
-  // A tensor the caller asks for that the checkpoint lacks is an error either way.
+  // PyTorch's load_state_dict(strict) semantics. true: every tensor and blob of the checkpoint
+  // must be asked for (or named in leave_out); one the state does not have is an error naming
+  // it, so that a changed model does not silently drop saved weights. false: they are
+  // allowed (e.g. load only the model) and a warning lists what was left out. A tensor or blob
+  // the caller asks for that the checkpoint lacks is an error either way.
   bool strict = true;
+  // Names of tensors and blobs of the checkpoint the caller knowingly does not load (the
+  // per-rank RNG at another world size, a saved config): never an error, never logged.
+  std::vector<std::string> leave_out;
 };
 
 // A committed step, as list() reports it.
@@ -150,8 +155,8 @@ class Checkpointer {
   // allocated with the piece this rank wants (its sharding at the current world size, any
   // kind) and every blob named in state.blobs is replaced. Returns the step loaded.
   // Differences (a missing tensor or blob, another dtype or global shape, with strict an
-  // unexpected tensor) are InvalidArgument listing them all; bad bytes are CorruptData naming
-  // tensor and file; no committed step is IoError.
+  // unexpected tensor or blob) are InvalidArgument listing them all; bad bytes are CorruptData
+  // naming tensor and file; no committed step is IoError.
   int64_t load(int64_t step, State& state, const LoadOptions& options = {});
   int64_t load(State& state, const LoadOptions& options = {}) {
     return load(kLatest, state, options);

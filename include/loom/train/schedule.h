@@ -32,6 +32,8 @@ class Schedule {
 
   // The learning rate at `step` (>= 0; a negative step is InvalidArgument).
   double operator()(int64_t step) const;
+  // The peak rate: the constant's lr, or warmup_cosine's lr.
+  double peak() const { return options_.lr; }
   // E.g. "warmup_cosine(lr=0.0006, min_lr=6e-05, warmup=100, total=5000)".
   std::string describe() const;
 

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "loom/config.h"
 #include "loom/train/schedule.h"
@@ -46,7 +47,10 @@ struct TrainOptions {
   int64_t steps = 1000;       // optimizer steps of the whole run (a resumed run counts on)
   int64_t micro_batches = 1;  // gradient accumulation: each rank's batch is split in this many
   double grad_clip = 1.0;     // max global gradient norm; 0 = no clipping (the norm is logged)
-  Schedule schedule = Schedule::constant(1e-3);
+  // The learning rate at each step; the Trainer sets it on the optimizer before every step.
+  // Unset: the optimizer's own rate, constant. Set, with a peak that differs from the
+  // optimizer's rate: a warning naming both (the schedule wins). docs/training.md.
+  std::optional<Schedule> schedule;
   int64_t eval_every = 0;        // Callbacks::on_eval every this many steps; 0 = never
   int64_t checkpoint_every = 0;  // async checkpoint every this many steps; 0 = only at the end
   int keep_last = 3;             // committed checkpoints kept (plus none kept by step)
@@ -55,11 +59,17 @@ struct TrainOptions {
   int64_t log_every = 10;      // a metrics log line every this many steps (without a TTY)
   double flops_per_token = 0;  // the model's training FLOPs per token, for MFU; 0 = no MFU
   bool resume = true;          // resume from the newest committed checkpoint
+  // Resuming, a checkpoint tensor or blob the model, optimizer or trainer does not have (a
+  // layer removed since the save) is an error naming it; false loads the rest and warns
+  // with the list of what was dropped (PyTorch's strict=False).
+  bool resume_strict = true;
   std::chrono::milliseconds checkpoint_timeout{std::chrono::minutes(10)};
 
   // The train.* configuration keys (train.steps, train.lr, ...), with their defaults and help.
   static ConfigSchema schema();
   // Reads them from a config built with schema(); bad values are ConfigError naming the key.
+  // train.lr left at its default with train.schedule = constant leaves `schedule` unset, so
+  // that the optimizer's rate is used; any other combination builds the schedule.
   static TrainOptions from(const Config& config);
 };
 

@@ -6,7 +6,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
+
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "ckpt/manifest.h"
@@ -169,7 +173,7 @@ TEST(Checkpointer, ReshardsBetweenEveryWorldSizeForEveryKind) {
         whole.add("few_rows", torch::zeros_like(g.few_rows));
         whole.add("flat", torch::zeros_like(g.flat));
         whole.add("flat_big", torch::zeros_like(g.flat_big));
-        ckpt.load(whole);
+        ckpt.load(whole, {.leave_out = {"trainer"}});  // the tensors only
         EXPECT_TRUE(torch::equal(whole.tensors[1].tensor, g.rows));
         EXPECT_TRUE(torch::equal(whole.tensors[3].tensor, g.flat));
         EXPECT_TRUE(torch::equal(whole.tensors[4].tensor, g.flat_big));
@@ -262,6 +266,61 @@ TEST(Checkpointer, LoadListsEveryDifferenceAndNeverDropsAMissingTensor) {
             std::string::npos);
   ckpt.load(only_w, {.strict = false});
   EXPECT_TRUE(torch::equal(only_w.tensors[0].tensor, torch::ones({4, 2})));
+}
+
+// PyTorch's strict: what the checkpoint holds and the state does not have (a model that lost
+// its bias, a blob nobody reads) is an error naming each; strict = false loads the rest and
+// warns with the same list; leave_out names what the caller knowingly does not load.
+TEST(Checkpointer, UnexpectedTensorsAndBlobsAreErrorsUnlessAllowed) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  std::ostringstream log_text;
+  auto logger = std::make_shared<spdlog::logger>(
+      "ckpt-test", std::make_shared<spdlog::sinks::ostream_sink_mt>(log_text));
+  Checkpointer ckpt(store, {.dir = dir.path(), .logger = logger});
+  State s;
+  s.add("model.w", torch::ones({4, 2}));
+  s.add("model.b", torch::ones({2}));
+  s.blobs["reader"] = R"({"position": 3})";
+  s.blobs["config"] = R"("lr = 1")";
+  ckpt.save_sync(1, s);
+
+  auto only_w = [] {
+    State w;
+    w.add("model.w", torch::zeros({4, 2}));
+    w.blobs["reader"] = "";
+    return w;
+  };
+  State asked = only_w();
+  const std::string message = error_of<InvalidArgument>([&] { ckpt.load(asked); });
+  EXPECT_NE(message.find("2 difference"), std::string::npos) << message;
+  EXPECT_NE(message.find("tensor \"model.b\" is in the checkpoint but the state does not have it"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("blob \"config\" is in the checkpoint but the state does not have it"),
+            std::string::npos)
+      << message;
+  EXPECT_TRUE(torch::equal(asked.tensors[0].tensor, torch::zeros({4, 2})));  // nothing loaded
+  EXPECT_EQ(log_text.str(), "");
+
+  ckpt.load(asked, {.strict = false});
+  EXPECT_TRUE(torch::equal(asked.tensors[0].tensor, torch::ones({4, 2})));
+  EXPECT_EQ(asked.blobs.at("reader"), R"({"position":3})");
+  EXPECT_NE(log_text.str().find(
+                "left out 2 entries the state does not have: tensor \"model.b\", blob \"config\""),
+            std::string::npos)
+      << log_text.str();
+
+  log_text.str("");
+  State left = only_w();
+  ckpt.load(left, {.leave_out = {"model.b", "config"}});
+  EXPECT_TRUE(torch::equal(left.tensors[0].tensor, torch::ones({4, 2})));
+  EXPECT_EQ(log_text.str(), "");
+  State partly = only_w();
+  EXPECT_NE(error_of<InvalidArgument>([&] {
+              ckpt.load(partly, {.leave_out = {"config"}});
+            }).find("1 difference"),
+            std::string::npos);
 }
 
 TEST(Checkpointer, NoCheckpointIsIoError) {

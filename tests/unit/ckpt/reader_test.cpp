@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include "faulty_storage.h"
 #include "harness/harness.h"
 #include "loom/ckpt/checkpointer.h"
 #include "loom/comm/store.h"
 #include "loom/error.h"
+#include "util/files.h"
 
 namespace loom::ckpt {
 namespace {
@@ -102,6 +104,112 @@ TEST_F(ReaderCorruption, MissingDataFileFallsBack) {
   State s = zeros_like_two();
   EXPECT_THROW(ckpt.load(s), IoError);
   EXPECT_EQ(ckpt.load_latest_valid(s), 1);
+}
+
+// A hostile or damaged manifest: step 2's manifest.json edited by `edit`, then verify and
+// load must both refuse it with CorruptData naming the manifest, before opening or
+// allocating anything the manifest's numbers ask for.
+class HostileManifest : public ReaderCorruption {
+ protected:
+  // Replaces step 2's manifest by the saved one changed by `change` (each edit starts afresh).
+  void edit(const std::function<void(nlohmann::json&)>& change) {
+    const auto path = dir_ / step_dir_name(2) / kManifestName;
+    if (original_.empty()) original_ = util::read_file(path);
+    nlohmann::json j = nlohmann::json::parse(original_);
+    change(j);
+    util::write_file_atomic(path, j.dump(1));
+  }
+  // The CorruptData message of verify(2), after checking that load(2) fails the same way.
+  std::string refused() {
+    Checkpointer ckpt(store_, options());
+    State s = zeros_like_two();
+    const std::string load = error_of<CorruptData>([&] { ckpt.load(2, s); });
+    EXPECT_NE(load.find("manifest.json"), std::string::npos) << load;
+    return error_of<CorruptData>([&] { ckpt.verify(2); });
+  }
+  static nlohmann::json& piece(nlohmann::json& j, const std::string& tensor) {
+    for (auto& t : j["tensors"])
+      if (t["name"] == tensor) return t["pieces"][0];
+    throw std::logic_error("no tensor " + tensor);
+  }
+  std::string original_;
+};
+
+TEST_F(HostileManifest, AFileNameOutsideTheStepDirectoryIsRefused) {
+  for (const std::string& name :
+       std::vector<std::string>{"../../../etc/hostname", "/etc/hostname", "..", ".hidden", "",
+                                std::string("rank_00000.data\0x", 17), "a/b"}) {
+    SCOPED_TRACE(name);
+    edit([&](nlohmann::json& j) { piece(j, "model.w")["file"] = name; });
+    std::string message = refused();
+    EXPECT_NE(message.find("manifest.json"), std::string::npos) << message;
+    EXPECT_NE(message.find("is not a plain file name"), std::string::npos) << message;
+    if (name == "../../../etc/hostname") {
+      EXPECT_NE(message.find("\"../../../etc/hostname\""), std::string::npos) << message;
+    }
+  }
+  edit([](nlohmann::json& j) { j["files"][0]["name"] = "../../../etc/hostname"; });
+  std::string message = refused();
+  EXPECT_NE(message.find("\"../../../etc/hostname\" is not a plain file name"), std::string::npos)
+      << message;
+}
+
+TEST_F(HostileManifest, AnOversizedPieceIsRefusedBeforeAnythingIsAllocated) {
+  // 2^60 bytes in one chunk of 2^60: consistent hashes, but nothing of that size exists.
+  edit([](nlohmann::json& j) {
+    auto& p = piece(j, "model.w");
+    p["bytes"] = uint64_t{1} << 60;
+    p["chunk_bytes"] = uint64_t{1} << 60;
+    p["chunk_xxh64"] = {p["chunk_xxh64"][0]};
+  });
+  std::string message = refused();
+  EXPECT_NE(message.find("1152921504606846976 bytes"), std::string::npos) << message;
+  // A chunk size of 2^60 over the right byte count: the reader must not size a buffer by it.
+  edit([](nlohmann::json& j) {
+    auto& p = piece(j, "model.w");
+    p["chunk_bytes"] = uint64_t{1} << 60;
+    p["chunk_xxh64"] = {p["chunk_xxh64"][0]};
+  });
+  Checkpointer ckpt(store_, options());
+  State part;  // a part of the chunk: read through the reader's scratch buffer
+  part.add("model.w", torch::zeros({500}), Sharding::flat({1000}, 10, 510));
+  part.add("model.b", torch::zeros({10}));
+  // The hashes no longer match (one chunk hash for 4000 bytes): CorruptData, not bad_alloc.
+  EXPECT_NE(error_of<CorruptData>([&] { ckpt.load(2, part); }).find("\"model.w\" is corrupt"),
+            std::string::npos);
+  EXPECT_THROW(ckpt.verify(2), CorruptData);
+}
+
+TEST_F(HostileManifest, InconsistentNumbersAreRefused) {
+  const std::vector<std::function<void(nlohmann::json&)>> edits = {
+      // fewer bytes than the elements need: the reader would index past the chunk hashes
+      [](nlohmann::json& j) {
+        auto& p = piece(j, "model.w");
+        p["bytes"] = 256;
+        p["chunk_xxh64"] = {p["chunk_xxh64"][0]};
+      },
+      // elements past the end of the tensor
+      [](nlohmann::json& j) { piece(j, "model.b")["end"] = 11; },
+      // an offset that wraps around with the byte count
+      [](nlohmann::json& j) { piece(j, "model.b")["offset"] = UINT64_MAX - 8; },
+      // a negative dimension, a shape whose element count overflows, an unknown dtype
+      [](nlohmann::json& j) { j["tensors"][0]["shape"] = {-1000}; },
+      [](nlohmann::json& j) {
+        j["tensors"][0]["shape"] = {INT64_MAX, 4};
+      },
+      [](nlohmann::json& j) { j["tensors"][0]["dtype"] = "float33"; },
+      // wrong JSON types
+      [](nlohmann::json& j) { piece(j, "model.w")["bytes"] = "4000"; },
+      [](nlohmann::json& j) { j["tensors"][0]["shape"] = "1000"; },
+      [](nlohmann::json& j) { j["files"] = 3; },
+      [](nlohmann::json& j) { piece(j, "model.w")["begin"] = -1; },
+  };
+  for (size_t i = 0; i < edits.size(); ++i) {
+    SCOPED_TRACE(i);
+    edit(edits[i]);
+    std::string message = refused();
+    EXPECT_NE(message.find("manifest.json"), std::string::npos) << message;
+  }
 }
 
 TEST(Reader, ARankReadsOnlyTheBytesItNeeds) {

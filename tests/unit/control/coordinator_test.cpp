@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "control/client.h"
 #include "harness/harness.h"
@@ -124,6 +126,56 @@ TEST(Coordinator, ASilentWorkerEndsItsGeneration) {
   EXPECT_EQ(after.state(), v1::ENDED);
   EXPECT_NE(after.last_failure().find("rank 0 missed heartbeats"), std::string::npos)
       << after.last_failure();
+}
+
+// RPC fields are untrusted input: a node's worker count and rank hint, a worker's rank, and
+// timeouts at the ends of int64's range.
+TEST(Coordinator, OutOfRangeRequestFieldsAreInvalidArgumentNamingThem) {
+  Coordinator coordinator({});
+  CoordinatorClient client(coordinator.address(), "", milliseconds(5000));
+  for (const auto& [node, nproc, hint] : std::vector<std::tuple<std::string, int, int>>{
+           {"a", 0, 0}, {"a", -5, 0}, {"a", 4097, 0}, {"a", 1, -7}, {"", 1, 0}}) {
+    SCOPED_TRACE(std::to_string(nproc) + " " + std::to_string(hint) + " '" + node + "'");
+    const std::string message = error_of<InvalidArgument>([&] { join(client, node, nproc, hint); });
+    EXPECT_NE(message.find("Join"), std::string::npos) << message;
+    EXPECT_NE(message.find("nproc " + std::to_string(nproc)), std::string::npos) << message;
+  }
+  // None of them joined: a valid node makes the round, alone, at world size 2.
+  const auto admitted = join(client, "a", 2, 0);
+  EXPECT_TRUE(admitted.admitted());
+  EXPECT_EQ(admitted.world_size(), 2);
+
+  v1::HeartbeatRequest beat;
+  beat.set_rank(2);  // world size 2: ranks 0 and 1
+  beat.set_generation(1);
+  std::string message = error_of<InvalidArgument>(
+      [&] { client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat); });
+  EXPECT_NE(message.find("rank 2"), std::string::npos) << message;
+  beat.set_rank(1 << 30);
+  EXPECT_THROW(client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat),
+               InvalidArgument);
+  const auto status =
+      client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
+  EXPECT_EQ(status.workers_size(), 0);  // nothing was recorded for them
+
+  // INT64_MAX ms must not overflow the deadline into the past: the Get waits for the key.
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(300));
+    v1::SetRequest set;
+    set.set_key("late");
+    set.set_value("v");
+    client.call("Set", &CoordinatorClient::Stub::Set, set);
+  });
+  v1::GetRequest get;
+  get.set_key("late");
+  get.set_timeout_ms(INT64_MAX);
+  const auto got = client.call("Get", &CoordinatorClient::Stub::Get, get);
+  setter.join();
+  EXPECT_TRUE(got.found());
+  EXPECT_EQ(got.value(), "v");
+  get.set_key("never");
+  get.set_timeout_ms(INT64_MIN);  // negative: do not wait
+  EXPECT_FALSE(client.call("Get", &CoordinatorClient::Stub::Get, get).found());
 }
 
 }  // namespace

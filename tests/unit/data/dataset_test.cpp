@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "harness/harness.h"
 #include "loom/data/reader.h"
 #include "loom/error.h"
+#include "util/files.h"
 
 namespace loom::data {
 namespace {
@@ -256,6 +258,44 @@ TEST(DatasetIntegrity, EditedOrMissingManifest) {
   EXPECT_NE(message.find("no manifest.json"), std::string::npos) << message;
   message = error_of<IoError>([&] { read_manifest(dir.path() / "nowhere"); });
   EXPECT_NE(message.find("does not exist"), std::string::npos) << message;
+}
+
+// A manifest edited to name files outside the dataset, or with fields of the wrong type:
+// CorruptData naming the manifest (and the name), before any file is opened.
+TEST(DatasetIntegrity, HostileManifestNamesAndTypesAreRefused) {
+  TempDir dir;
+  const auto ds = dir.path() / "ds";
+  write_counting_tokens(ds, {40});
+  const std::string original = util::read_file(ds / "manifest.json");
+  auto refused = [&](const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json j = nlohmann::json::parse(original);
+    change(j);
+    util::write_file_atomic(ds / "manifest.json", j.dump(2));
+    std::string message = error_of<CorruptData>([&] { read_manifest(ds); });
+    EXPECT_NE(message.find((ds / "manifest.json").string()), std::string::npos) << message;
+    EXPECT_THROW(Reader(ds, {.seq_len = 4}), CorruptData);
+    return message;
+  };
+  for (const std::string& name :
+       std::vector<std::string>{"../../../etc/hostname", "/etc/hostname", "..", ".x", "",
+                                std::string("tokens_00000.bin\0", 17), "sub/tokens.bin"}) {
+    SCOPED_TRACE(name);
+    const std::string message = refused([&](nlohmann::json& j) { j["shards"][0]["file"] = name; });
+    EXPECT_NE(message.find("is not a plain file name"), std::string::npos) << message;
+  }
+  std::string message =
+      refused([](nlohmann::json& j) { j["tokenizer"] = "../../../etc/hostname"; });
+  EXPECT_NE(message.find("tokenizer file name \"../../../etc/hostname\""), std::string::npos)
+      << message;
+  message = refused([](nlohmann::json& j) { j["shards"][0]["bytes"] = "640"; });
+  EXPECT_NE(message.find("\"bytes\""), std::string::npos) << message;
+  message = refused([](nlohmann::json& j) { j["shards"][0]["tokens"] = -5; });
+  EXPECT_NE(message.find("\"tokens\""), std::string::npos) << message;
+  message = refused([](nlohmann::json& j) { j["shards"] = 7; });
+  message = refused([](nlohmann::json& j) { j["format"] = 3; });  // not a type_error escaping
+  EXPECT_NE(message.find("is not a Loom dataset manifest"), std::string::npos) << message;
+  message = refused([](nlohmann::json& j) { j = nlohmann::json::array(); });
+  EXPECT_NE(message.find("is not a Loom dataset manifest"), std::string::npos) << message;
 }
 
 }  // namespace
