@@ -8,8 +8,8 @@
 
 namespace loom::kernels {
 
-AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps,
-                           double weight_decay, int64_t step) {
+AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
+                           int64_t step) {
   // The same expressions as src/parallel/optim.cpp (and torch::optim::AdamW 1.13).
   const double bias_correction1 = 1 - std::pow(beta1, static_cast<double>(step));
   const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(step));
@@ -33,8 +33,8 @@ void adamw_ref(const AdamWScalars& s, const AdamWTensor* tensors, int count) {
     for (int64_t i = 0; i < x.n; ++i) {
       float p = x.params[i];
       const float g = x.grads[i];
-      if (s.decay) p = p * s.decay_factor;                         // p.mul_(1 - lr * wd)
-      const float m = std::fma(s.one_minus_beta1, g, x.exp_avg[i] * s.beta1);  // mul_, add_
+      if (s.decay) p = p * s.decay_factor;  // p.mul_(1 - lr * wd)
+      const float m = std::fma(s.one_minus_beta1, g, x.exp_avg[i] * s.beta1);         // mul_, add_
       const float v = std::fma(s.one_minus_beta2 * g, g, x.exp_avg_sq[i] * s.beta2);  // addcmul_
       const float denom = std::sqrt(v) / s.sqrt_bias_correction2 + s.eps;
       p = p + (s.neg_step_size * m) / denom;  // addcdiv_

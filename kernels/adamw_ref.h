@@ -25,8 +25,8 @@ struct AdamWScalars {
 };
 
 // The scalars of step `step` (from 1) for these hyperparameters, as optim.cpp derives them.
-AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps,
-                           double weight_decay, int64_t step);
+AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
+                           int64_t step);
 
 // One flat buffer of the multi-tensor update, all of n elements. bf16_params, when not null,
 // receives the updated params rounded to bf16 (nearest even) in the same pass.

@@ -22,7 +22,8 @@ static_assert(sizeof(SquaresBatch) < 4000, "kernel parameters over 4 KiB");
 __device__ double block_tree_sum(double* sums) {
   for (int stride = kThreads / 2; stride > 0; stride /= 2) {
     __syncthreads();
-    if (threadIdx.x < stride) sums[threadIdx.x] = __dadd_rn(sums[threadIdx.x], sums[threadIdx.x + stride]);
+    if (threadIdx.x < stride)
+      sums[threadIdx.x] = __dadd_rn(sums[threadIdx.x], sums[threadIdx.x + stride]);
   }
   __syncthreads();
   return sums[0];
@@ -43,8 +44,8 @@ __global__ void __launch_bounds__(kThreads) chunk_kernel(SquaresBatch batch, dou
   if (threadIdx.x == 0) partials[batch.first_partial + blockIdx.x] = total;
 }
 
-__global__ void __launch_bounds__(kThreads) final_kernel(const double* partials, int64_t count,
-                                                         double* out) {
+__global__ void __launch_bounds__(kThreads)
+    final_kernel(const double* partials, int64_t count, double* out) {
   __shared__ double sums[kThreads];
   double acc = 0;
   for (int64_t i = threadIdx.x; i < count; i += kThreads) acc = __dadd_rn(acc, partials[i]);

@@ -20,7 +20,8 @@ double tree_sum(std::vector<double>& sums) {
 
 int64_t sum_squares_chunks(const SquaresTensor* tensors, int count) {
   int64_t chunks = 0;
-  for (int t = 0; t < count; ++t) chunks += (tensors[t].n + kSumSquaresChunk - 1) / kSumSquaresChunk;
+  for (int t = 0; t < count; ++t)
+    chunks += (tensors[t].n + kSumSquaresChunk - 1) / kSumSquaresChunk;
   return chunks;
 }
 

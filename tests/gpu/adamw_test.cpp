@@ -24,7 +24,8 @@ struct Host {
 template <typename T>
 T* to_device(const std::vector<T>& host) {
   T* device = nullptr;
-  EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&device), host.size() * sizeof(T) + 4), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&device), host.size() * sizeof(T) + 4),
+            cudaSuccess);
   EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
             cudaSuccess);
   return device;

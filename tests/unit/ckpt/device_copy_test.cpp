@@ -20,7 +20,9 @@ TEST(HostBuffer, IsPageAlignedAndRoundedToWholePages) {
     EXPECT_EQ(buffer.size(), 8192u);
     std::memset(buffer.data(), 0xab, buffer.size());  // all of it is ours
     EXPECT_EQ(static_cast<unsigned char>(buffer.data()[8191]), 0xab);
-    if (!pinned) EXPECT_FALSE(buffer.pinned());
+    if (!pinned) {
+      EXPECT_FALSE(buffer.pinned());
+    }
   }
 }
 

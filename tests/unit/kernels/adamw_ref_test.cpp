@@ -48,8 +48,8 @@ struct Case {
 TEST(AdamWRef, MatchesLoomsAtenAdamWBitwise) {
   if (!aten_uses_fma()) GTEST_SKIP() << "ATEN_CPU_CAPABILITY=default: ATen does not fuse";
   // Sizes with vector tails (15, 17), one over ATen's parallel grain (32768) with a tail.
-  for (Case c : {Case{1, 0.01}, Case{15, 0.01}, Case{17, 0.0}, Case{4099, 0.1},
-                 Case{100003, 0.01}}) {
+  for (Case c :
+       {Case{1, 0.01}, Case{15, 0.01}, Case{17, 0.0}, Case{4099, 0.1}, Case{100003, 0.01}}) {
     at::manual_seed(static_cast<uint64_t>(c.n));
     const optim::AdamWOptions options{.lr = 3e-3, .weight_decay = c.weight_decay};
     const optim::AdamW aten(options);
@@ -62,12 +62,14 @@ TEST(AdamWRef, MatchesLoomsAtenAdamWBitwise) {
     for (int64_t step = 1; step <= 5; ++step) {
       const at::Tensor grad = at::randn({c.n}) * (step == 3 ? 1e-4 : 1.0);
       aten.update(p_aten, grad, s_aten, step);
-      const AdamWScalars scalars =
-          adamw_scalars(options.lr, options.beta1, options.beta2, options.eps,
-                        options.weight_decay, step);
-      AdamWTensor tensor{p_ref.data_ptr<float>(), grad.data_ptr<float>(), m_ref.data_ptr<float>(),
+      const AdamWScalars scalars = adamw_scalars(options.lr, options.beta1, options.beta2,
+                                                 options.eps, options.weight_decay, step);
+      AdamWTensor tensor{p_ref.data_ptr<float>(),
+                         grad.data_ptr<float>(),
+                         m_ref.data_ptr<float>(),
                          v_ref.data_ptr<float>(),
-                         static_cast<uint16_t*>(bf16_ref.data_ptr()), c.n};
+                         static_cast<uint16_t*>(bf16_ref.data_ptr()),
+                         c.n};
       adamw_ref(scalars, &tensor, 1);
       const std::string what = "n " + std::to_string(c.n) + " step " + std::to_string(step);
       expect_bitwise(m_ref, s_aten[0], what + " exp_avg");
@@ -114,8 +116,12 @@ TEST(AdamWRef, MultiTensorEqualsOneTensorAtATime) {
   }
   adamw_ref(s, together.data(), static_cast<int>(together.size()));
   for (size_t i = 0; i < sizes.size(); ++i) {
-    AdamWTensor one{p1[i].data_ptr<float>(), g[i].data_ptr<float>(), m1[i].data_ptr<float>(),
-                    v1[i].data_ptr<float>(), nullptr, sizes[i]};
+    AdamWTensor one{p1[i].data_ptr<float>(),
+                    g[i].data_ptr<float>(),
+                    m1[i].data_ptr<float>(),
+                    v1[i].data_ptr<float>(),
+                    nullptr,
+                    sizes[i]};
     adamw_ref(s, &one, 1);
     expect_bitwise(p[i], p1[i], "params " + std::to_string(i));
     expect_bitwise(m[i], m1[i], "exp_avg " + std::to_string(i));
