@@ -1,10 +1,9 @@
 // CPU references for scale.h, bit-exact with the CUDA kernels.
+#include "scale_ref.h"
+
 #include <cstring>
 
-#include "scale.h"
-
 namespace loom::kernels {
-namespace {
 
 float bf16_to_float(uint16_t bits) {
   uint32_t word = static_cast<uint32_t>(bits) << 16;
@@ -13,7 +12,6 @@ float bf16_to_float(uint16_t bits) {
   return value;
 }
 
-// Round to nearest even, NaN kept quiet: the same as __float2bfloat16_rn.
 uint16_t float_to_bf16(float value) {
   uint32_t word;
   std::memcpy(&word, &value, sizeof(word));
@@ -21,8 +19,6 @@ uint16_t float_to_bf16(float value) {
   uint32_t rounding = 0x7fffu + ((word >> 16) & 1u);
   return static_cast<uint16_t>((word + rounding) >> 16);
 }
-
-}  // namespace
 
 void scale_f32_ref(float* data, int64_t n, float factor) {
   for (int64_t i = 0; i < n; ++i) data[i] *= factor;

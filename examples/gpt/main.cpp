@@ -14,27 +14,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "config.h"
 #include "model.h"
 
 namespace {
-
-loom::ConfigSchema keys() {
-  loom::ConfigSchema s = loom::train::TrainOptions::schema();  // train.steps, train.lr, ...
-  s.add("data.train", "data/kjv-train-bpe", "training token dataset (loom data build text)");
-  s.add("data.val", "data/kjv-val-bpe", "held-out token dataset, same tokenizer");
-  s.add("model.n_layer", 4, "transformer blocks (L)");
-  s.add("model.n_head", 4, "attention heads per block (H)");
-  s.add("model.n_embd", 128, "model width C = H * head dim");
-  s.add("model.seq_len", 128, "context length T in tokens");
-  s.add("train.batch_size", 16, "sequences per step, over all ranks");
-  s.add("train.weight_decay", 0.1, "AdamW weight decay");
-  s.add("eval.batches", 8, "held-out batches of train.batch_size sequences per evaluation");
-  s.add("sample.prompt", "And God said", "text the samples start from");
-  s.add("sample.tokens", 48, "tokens to generate per sample");
-  s.add("sample.top_k", 20, "sample from the k most likely tokens (1 = greedy)");
-  s.add("sample.temperature", 0.8, "softmax temperature of sampling");
-  return s;
-}
 
 // Prompt text -> ids by greedy longest match against the vocabulary's pieces (SentencePiece
 // marks a word start with U+2581). Encoding exactly needs the SentencePiece library, which
@@ -107,7 +90,9 @@ void train(loom::Runtime& rt) {
   const auto vocab = loom::data::Vocabulary::of_dataset(train_dir);
 
   gpt::Gpt model(model_cfg);
-  model->to(rt.device());
+  // bfloat16: bf16 parameters and compute; DataParallel keeps fp32 master weights and AdamW
+  // state (docs/parallel.md), and on CUDA steps them with the fused AdamW kernel.
+  model->to(rt.device(), gpt::parameter_dtype(cfg));
   rt.log().info(
       "GPT: {} layers, {} heads, width {}, context {}, vocab {}: {:.2f}M parameters, "
       "{:.2f} MFLOP/token; train {} ({} tokens, {} sequences), held out {} ({} sequences); "
@@ -182,4 +167,4 @@ void train(loom::Runtime& rt) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return loom::run_main(argc, argv, keys(), train); }
+int main(int argc, char** argv) { return loom::run_main(argc, argv, gpt::config_schema(), train); }

@@ -78,7 +78,8 @@ torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
 }
 
 torch::Tensor GptImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  auto logits = forward(idx);
+  // The log-softmax in fp32 whatever the parameters' dtype (a no-op for fp32 models).
+  auto logits = forward(idx).to(torch::kFloat);
   return torch::cross_entropy_loss(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 

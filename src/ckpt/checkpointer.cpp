@@ -1,7 +1,11 @@
 // The asynchronous checkpointer (see loom/ckpt/checkpointer.h and docs/checkpoint.md).
 //
 // A save: the training thread plans this rank's file (layout.h), copies the tensors into
-// one reusable staging buffer laid out exactly like the file, and queues a Job. The writer
+// one reusable staging buffer laid out exactly like the file, and queues a Job. CUDA tensors
+// go into pinned staging memory by device-to-host copies on a side stream (device_copy.h),
+// enqueued at save() and overlapping the next forward/backward; the deferred copy() then only
+// makes the compute stream wait for them, and the writer waits for their event before it
+// reads the buffer. The writer
 // thread hashes the pieces, writes the file under a temporary name in large writes, fsyncs,
 // renames, fsyncs the directory and reports through the Store under <prefix>/<step>/:
 //   rank_<r>   "ok\n<report JSON>", "error\n<cause>" or "skipped\n<why>" (ranks 1..W-1)
@@ -23,6 +27,7 @@
 #include <set>
 #include <thread>
 
+#include "ckpt/device_copy.h"
 #include "ckpt/layout.h"
 #include "ckpt/manifest.h"
 #include "ckpt/reader.h"
@@ -35,13 +40,6 @@ namespace loom::ckpt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-struct FreeDeleter {
-  void operator()(char* p) const { std::free(p); }
-};
-using AlignedBuffer = std::unique_ptr<char, FreeDeleter>;
-
-constexpr size_t kStagingAlignment = 4096;
 
 std::chrono::milliseconds remaining(Clock::time_point deadline) {
   return std::max(std::chrono::milliseconds(0),
@@ -75,6 +73,8 @@ struct SaveHandle::Job {
   FilePlan plan;
   Manifest report;  // this rank's report, hashes filled in by the writer
   char* staging = nullptr;
+  // The device-to-host copies of the CUDA pieces, enqueued by save(); null without any.
+  std::shared_ptr<internal::CopyFence> fence;
 
   // State below is protected by mutex; changed is notified when copied or finished turn true.
   std::mutex mutex;
@@ -99,7 +99,9 @@ struct SaveHandle::Job {
         std::memset(staging + end_of_previous, 0, p.offset - end_of_previous);
         end_of_previous = p.offset + p.bytes;
         const at::Tensor& src = pending[i];
-        if (src.device().is_cpu() && src.is_contiguous()) {
+        if (src.is_cuda()) {
+          continue;  // already enqueued on the side stream by save()
+        } else if (src.device().is_cpu() && src.is_contiguous()) {
           // memcpy in 8 MiB blocks over torch's intra-op threads: training is stalled anyway.
           const char* from = static_cast<const char*>(src.data_ptr());
           char* to = staging + p.offset;
@@ -111,6 +113,9 @@ struct SaveHandle::Job {
           at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU)).copy_(src);
         }
       }
+      // The caller may change the CUDA tensors once copy() returned: later work on the compute
+      // stream waits for their copies (on the GPU; the host goes on).
+      if (fence) fence->order_compute_stream();
     } catch (...) {
       copy_error = std::current_exception();
     }
@@ -122,6 +127,17 @@ struct SaveHandle::Job {
   void wait_copied() {
     std::unique_lock<std::mutex> lock(mutex);
     changed.wait(lock, [&] { return copied; });
+  }
+
+  // The writer thread, before it reads staging: blocks until the device copies have landed.
+  void wait_device_copies() {
+    if (!fence) return;
+    try {
+      fence->wait();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!copy_error) copy_error = std::current_exception();
+    }
   }
 
   void finish(bool was_skipped, std::exception_ptr failure) {
@@ -183,8 +199,10 @@ struct Checkpointer::Impl {
   // Touched by the training thread only (and the destructor).
   std::shared_ptr<Job> current;      // the newest save, maybe in flight
   std::optional<int64_t> last_step;  // the step of the newest save() that got past validation
-  AlignedBuffer staging;
-  size_t staging_capacity = 0;
+  internal::HostBuffer staging;      // reused by every save; grown when a file needs more
+  bool staging_pin_asked = false;    // staging was allocated for CUDA tensors (pinned if it could)
+  std::unique_ptr<internal::DeviceStager> stager;  // made at the first save of a CUDA tensor
+  internal::HostBuffer load_buffer;  // pinned, reused: reads of CUDA tensors land here first
 
   // State below is protected by mutex; wake is notified when queued, stop or retiring change.
   std::mutex mutex;
@@ -223,6 +241,7 @@ void Checkpointer::Impl::writer_loop() {
       job = std::move(queued);
     }
     job->wait_copied();
+    job->wait_device_copies();
     run_job(*job);
   }
 }
@@ -525,16 +544,17 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
              "checkpoint step ", step, " is already committed in ", m.options.dir.string(),
              "; save under a new step or remove that directory first");
   m.last_step = step;
-  if (plan.file_bytes > m.staging_capacity) {
-    const size_t capacity =
-        (plan.file_bytes + kStagingAlignment - 1) / kStagingAlignment * kStagingAlignment;
-    m.staging.reset();
-    m.staging.reset(static_cast<char*>(std::aligned_alloc(kStagingAlignment, capacity)));
-    LOOM_CHECK(m.staging != nullptr, IoError, "checkpoint step ", step, ": cannot allocate ",
-               capacity, " bytes of staging memory");
-    m.staging_capacity = capacity;
+  const bool on_device = std::any_of(plan.pieces.begin(), plan.pieces.end(), [&](const auto& p) {
+    return state.tensors[p.entry].tensor.is_cuda();
+  });
+  if (plan.file_bytes > m.staging.size() || (on_device && !m.staging_pin_asked)) {
+    // Allocated once and reused; pinned once a CUDA tensor is saved (DMA straight into it).
+    const bool pin = on_device || m.staging_pin_asked;
+    m.staging = internal::HostBuffer();
+    m.staging = internal::HostBuffer(std::max<size_t>(plan.file_bytes, 1), pin);
+    m.staging_pin_asked = pin;
   }
-  job->staging = m.staging.get();
+  job->staging = m.staging.data();
 
   // This rank's report: its file, one record per tensor it describes, pieces in plan order.
   Manifest& report = job->report;
@@ -568,6 +588,13 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
     }
     report.tensors.push_back(std::move(record));
   }
+  // CUDA pieces start copying now, on the side stream, whether or not the copy is deferred.
+  for (size_t i = 0; i < job->pending.size(); ++i) {
+    if (!job->pending[i].is_cuda()) continue;
+    if (!m.stager) m.stager = internal::new_device_stager();
+    m.stager->copy_to_host(job->pending[i], job->staging + plan.pieces[i].offset);
+  }
+  if (m.stager) job->fence = m.stager->fence();
   job->plan = std::move(plan);
   if (!save_options.defer_copy) job->copy();
   m.current = job;
@@ -685,7 +712,18 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
     at::Tensor& t = state.tensors[i].tensor;
     const auto& [record, region] = plan[i];
     const bool direct = t.device().is_cpu() && t.is_contiguous();
-    at::Tensor target = direct ? t : at::empty(t.sizes(), t.options().device(at::kCPU));
+    at::Tensor target = t;
+    if (t.is_cuda()) {
+      // Through the reused pinned buffer: the host-to-device copy below is one DMA.
+      const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+      if (load_buffer.size() < bytes) {
+        load_buffer = internal::HostBuffer();
+        load_buffer = internal::HostBuffer(bytes, /*pinned=*/true);
+      }
+      target = at::from_blob(load_buffer.data(), t.sizes(), t.options().device(at::kCPU));
+    } else if (!direct) {
+      target = at::empty(t.sizes(), t.options().device(at::kCPU));
+    }
     reader.read(*record, region.begin, region.end, static_cast<char*>(target.data_ptr()),
                 load_options.verify);
     if (!direct) t.copy_(target);

@@ -36,6 +36,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using GlooContext = gloo::rendezvous::Context;
+using internal::rank_list;
 using std::chrono::milliseconds;
 
 // gloo's collectives put their slot prefix (0x01..0x08) in the top byte of a 64-bit slot;
@@ -172,14 +173,6 @@ void allgather_bytes(const std::shared_ptr<gloo::Context>& context, const at::Te
   LOOM_GLOO_CHECK(gloo::allgather(options));
 }
 
-std::string rank_list(const std::vector<int>& ranks, const char* separator) {
-  std::string out;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    out += (i == 0 ? "" : separator) + std::to_string(ranks[i]);
-  }
-  return out;
-}
-
 // --- bootstrap -----------------------------------------------------------------------------
 
 std::shared_ptr<gloo::transport::Device> make_device(const GlooOptions& options) {
@@ -233,53 +226,7 @@ std::shared_ptr<GlooContext> connect_full_mesh(Store& store, const std::string& 
 // --- the group -------------------------------------------------------------------------------
 
 // What outlives the group for the sake of Work handles (their timeout hook holds a weak_ptr).
-struct GroupState {
-  GroupState(int rank_, int size_, std::string name_, std::filesystem::path dump_dir_,
-             size_t capacity)
-      : rank(rank_),
-        size(size_),
-        name(std::move(name_)),
-        dump_dir(std::move(dump_dir_)),
-        description(detail::concat("'", name, "' (rank ", rank, " of ", size, ")")),
-        recorder(capacity) {}
-
-  // Keeps the first reason (the group fails every later op with it); true for that first call.
-  bool mark_broken(const std::string& why) {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (!broken.empty()) return false;
-    broken = why;
-    return true;
-  }
-  std::string broken_reason() const {
-    std::lock_guard<std::mutex> lock(mutex);
-    return broken;
-  }
-  // Writes <dump_dir>/rank_<rank>.json; returns a sentence for error messages ("" without a
-  // dump directory). Never throws: it runs while another error is being reported.
-  std::string dump_flight() const noexcept {
-    if (dump_dir.empty()) return "";
-    const std::filesystem::path file = dump_dir / detail::concat("rank_", rank, ".json");
-    try {
-      recorder.dump(file, rank, name);
-      return detail::concat("Flight recorder dumped to ", file.string(), ".");
-    } catch (const std::exception& e) {
-      return detail::concat("Writing the flight recorder dump ", file.string(),
-                            " failed: ", e.what());
-    }
-  }
-
-  // Constant after construction.
-  const int rank;
-  const int size;
-  const std::string name;
-  const std::filesystem::path dump_dir;
-  const std::string description;  // "'world' (rank 1 of 4)"
-  FlightRecorder recorder;        // thread-safe on its own
-
-  // State below is protected by mutex.
-  mutable std::mutex mutex;
-  std::string broken;  // why the group is unusable; empty while it is healthy
-};
+using internal::GroupState;
 
 // Thread safety: the public methods are called from one user thread at a time (Group's
 // contract); the worker and p2p threads share state with it only as declared below.
@@ -348,6 +295,8 @@ class GlooGroup final : public Group {
   void run_op(Op& op);
   void finish(Op& op, std::exception_ptr error);
   void fail(Op& op, const std::string& why);
+  // Gloo's tensors live on the CPU.
+  internal::OpPlace place() const { return {state_->rank, state_->size, at::Device(at::kCPU)}; }
   WorkPtr post_transfer(const char* op, const at::Tensor& tensor, int peer,
                         const SendRecvOptions& options, bool is_send);
 
@@ -544,8 +493,7 @@ void GlooGroup::fail(Op& op, const std::string& why) {
 // --- the ops -------------------------------------------------------------------------------
 
 WorkPtr GlooGroup::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
-  internal::check_tensor("all_reduce", "tensor", tensor);
-  internal::check_reduce_op("all_reduce", options.op, tensor.scalar_type());
+  internal::check_all_reduce(place(), tensor, options.op);
   Op body;
   body.empty = tensor.numel() == 0;
   body.run = [context = context_, tensor, op = options.op, timeout = options.timeout](
@@ -555,10 +503,7 @@ WorkPtr GlooGroup::all_reduce(at::Tensor& tensor, const AllReduceOptions& option
 
 WorkPtr GlooGroup::all_reduce_coalesced(std::vector<at::Tensor>& tensors,
                                         const AllReduceOptions& options) {
-  LOOM_CHECK(!tensors.empty(), InvalidArgument,
-             "all_reduce_coalesced: tensors is empty; expected at least one tensor");
-  internal::check_same_dtype_list("all_reduce_coalesced", tensors);
-  internal::check_reduce_op("all_reduce_coalesced", options.op, tensors[0].scalar_type());
+  internal::check_all_reduce_coalesced(place(), tensors, options.op);
   int64_t total = 0;
   for (const at::Tensor& tensor : tensors) total += tensor.numel();
   Op body;
@@ -583,12 +528,8 @@ WorkPtr GlooGroup::all_reduce_coalesced(std::vector<at::Tensor>& tensors,
 
 WorkPtr GlooGroup::reduce_scatter(at::Tensor& output, const at::Tensor& input,
                                   const ReduceScatterOptions& options) {
-  internal::check_tensor("reduce_scatter", "input", input);
-  internal::check_tensor("reduce_scatter", "output", output);
-  internal::check_same_dtype("reduce_scatter", "output", output, "input", input);
-  internal::check_reduce_op("reduce_scatter", options.op, input.scalar_type());
+  internal::check_reduce_scatter(place(), output, input, options.op);
   const ShardRange shard = shard_range(input.numel(), size(), rank());
-  internal::check_numel("reduce_scatter", "output", output, shard.size());
   Op body;
   body.empty = input.numel() == 0;
   // Gloo has no reduce-scatter for uneven chunks, so this all-reduces a copy of the input and
@@ -605,10 +546,7 @@ WorkPtr GlooGroup::reduce_scatter(at::Tensor& output, const at::Tensor& input,
 
 WorkPtr GlooGroup::all_gather(at::Tensor& output, const at::Tensor& input,
                               const AllGatherOptions& options) {
-  internal::check_tensor("all_gather", "input", input);
-  internal::check_tensor("all_gather", "output", output);
-  internal::check_same_dtype("all_gather", "output", output, "input", input);
-  internal::check_numel("all_gather", "output", output, input.numel() * size());
+  internal::check_all_gather(place(), output, input);
   Op body;
   body.empty = input.numel() == 0;
   body.run = [context = context_, output, input, timeout = options.timeout](uint32_t tag) {
@@ -619,16 +557,7 @@ WorkPtr GlooGroup::all_gather(at::Tensor& output, const at::Tensor& input,
 
 WorkPtr GlooGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
                               const AllGatherOptions& options) {
-  internal::check_tensor("all_gather", "input", input);
-  LOOM_CHECK(static_cast<int>(outputs.size()) == size(), InvalidArgument,
-             "all_gather: outputs has ", outputs.size(), " tensors; expected one per rank (",
-             size(), ")");
-  for (size_t r = 0; r < outputs.size(); ++r) {
-    const std::string what = detail::concat("outputs[", r, "]");
-    internal::check_tensor("all_gather", what.c_str(), outputs[r]);
-    internal::check_same_dtype("all_gather", what.c_str(), outputs[r], "input", input);
-    internal::check_numel("all_gather", what.c_str(), outputs[r], input.numel());
-  }
+  internal::check_all_gather(place(), outputs, input);
   Op body;
   body.empty = input.numel() == 0;
   body.run = [context = context_, outputs, input, timeout = options.timeout](uint32_t tag) {
@@ -644,8 +573,7 @@ WorkPtr GlooGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor
 }
 
 WorkPtr GlooGroup::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
-  internal::check_tensor("broadcast", "tensor", tensor);
-  internal::check_rank("broadcast", "root", options.root, size());
+  internal::check_broadcast(place(), tensor, options.root);
   Op body;
   body.empty = tensor.numel() == 0;
   body.run = [context = context_, tensor, root = options.root,
@@ -673,11 +601,7 @@ WorkPtr GlooGroup::barrier(const BarrierOptions& options) {
 
 WorkPtr GlooGroup::post_transfer(const char* op, const at::Tensor& tensor, int peer,
                                  const SendRecvOptions& options, bool is_send) {
-  internal::check_tensor(op, "tensor", tensor);
-  internal::check_rank(op, is_send ? "dst" : "src", peer, size());
-  LOOM_CHECK(peer != rank(), InvalidArgument, op, ": ", is_send ? "dst" : "src", " ", peer,
-             " is this rank; send and recv need another rank of the group");
-  LOOM_CHECK(options.tag >= 0, InvalidArgument, op, ": tag must be >= 0, got ", options.tag);
+  internal::check_send_recv(place(), op, tensor, peer, options.tag);
   Op body;
   body.empty = tensor.numel() == 0;
   body.post = [context = context_, tensor, peer, is_send, timeout = options.timeout,
@@ -707,29 +631,19 @@ WorkPtr GlooGroup::recv(at::Tensor& tensor, int src, const SendRecvOptions& opti
 }
 
 std::unique_ptr<Group> GlooGroup::new_subgroup(const std::vector<int>& ranks) {
-  std::vector<int> sorted = ranks;
-  std::sort(sorted.begin(), sorted.end());
+  const std::vector<int> sorted = internal::check_subgroup_ranks(place(), ranks);
   const std::string listed = "[" + rank_list(sorted, ",") + "]";
-  for (size_t i = 0; i < sorted.size(); ++i) {
-    internal::check_rank("new_subgroup", "listed rank", sorted[i], size());
-    LOOM_CHECK(i == 0 || sorted[i] != sorted[i - 1], InvalidArgument, "new_subgroup: rank ",
-               sorted[i], " is listed twice in ", listed);
-  }
   const auto me = std::find(sorted.begin(), sorted.end(), rank());
-  LOOM_CHECK(me != sorted.end(), InvalidArgument, "new_subgroup: this rank (", rank(),
-             ") is not among the listed ranks ", listed, "; only listed ranks may call it");
-
   // Every member counts its own creations of this rank list, so repeated subgroups of the
   // same ranks get fresh store keys without any coordination.
-  const std::string base = detail::concat(store_prefix_, "/sub", listed);
-  const int64_t generation = store_.add(detail::concat(base, "/creations/rank", rank()), 1);
+  const std::string prefix =
+      internal::fresh_store_prefix(store_, detail::concat(store_prefix_, "/sub", listed), rank());
   GlooOptions options = options_;
   options.name = detail::concat(name(), "/sub", listed);
   if (!options.flight_dump_dir.empty()) {
     options.flight_dump_dir /= "sub_" + rank_list(sorted, "_");
   }
-  return std::make_unique<GlooGroup>(store_, detail::concat(base, "#", generation),
-                                     static_cast<int>(me - sorted.begin()),
+  return std::make_unique<GlooGroup>(store_, prefix, static_cast<int>(me - sorted.begin()),
                                      static_cast<int>(sorted.size()), std::move(options), device_);
 }
 
@@ -737,18 +651,12 @@ std::unique_ptr<Group> GlooGroup::new_subgroup(const std::vector<int>& ranks) {
 
 std::unique_ptr<Group> new_gloo_group(Store& store, int rank, int size,
                                       const GlooOptions& options) {
-  LOOM_CHECK(size > 0, InvalidArgument, "new_gloo_group: size must be positive, got ", size);
-  internal::check_rank("new_gloo_group", "rank", rank, size);
-  LOOM_CHECK(!options.name.empty(), InvalidArgument, "new_gloo_group: options.name is empty");
-  LOOM_CHECK(options.connect_timeout.count() > 0, InvalidArgument,
-             "new_gloo_group: connect_timeout must be positive, got ",
-             options.connect_timeout.count(), " ms");
+  internal::check_new_group("new_gloo_group", rank, size, options.name, options.connect_timeout);
   // Each rank counts its own creations of a group name: repeated groups (tests, restarts in
   // one process) get fresh store keys, and every rank derives the same prefix.
-  const std::string base = "gloo/" + options.name;
-  const int64_t generation = store.add(detail::concat(base, "/creations/rank", rank), 1);
-  return std::make_unique<GlooGroup>(store, detail::concat(base, "#", generation), rank, size,
-                                     options, make_device(options));
+  return std::make_unique<GlooGroup>(
+      store, internal::fresh_store_prefix(store, "gloo/" + options.name, rank), rank, size, options,
+      make_device(options));
 }
 
 }  // namespace loom::comm

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "comm/group_internal.h"
 #include "loom/error.h"
@@ -39,9 +40,12 @@ ShardRange shard_range(int64_t n, int size, int rank) {
 namespace internal {
 namespace {
 
-constexpr const char* kSupported =
-    "a defined, CPU, contiguous tensor of float32, float64, bfloat16, float16, int32, int64 or "
-    "uint8";
+constexpr const char* kSupportedDtypes =
+    "float32, float64, bfloat16, float16, int32, int64 or uint8";
+
+std::string device_word(const at::Device& device) {
+  return device.is_cpu() ? std::string("CPU") : device.str();
+}
 
 bool is_supported(at::ScalarType dtype) {
   switch (dtype) {
@@ -91,14 +95,25 @@ std::string shape_string(const at::Tensor& tensor) {
 
 bool is_integral(at::ScalarType dtype) { return at::isIntegralType(dtype, /*includeBool=*/true); }
 
-void check_tensor(const char* op, const char* what, const at::Tensor& tensor) {
+std::string rank_list(const std::vector<int>& ranks, const char* separator) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    out += (i == 0 ? "" : separator) + std::to_string(ranks[i]);
+  }
+  return out;
+}
+
+void check_tensor(const char* op, const char* what, const at::Tensor& tensor,
+                  const at::Device& device) {
   LOOM_CHECK(tensor.defined(), InvalidArgument, op, ": ", what,
-             " is an undefined tensor; expected ", kSupported);
-  const bool ok = tensor.device().is_cpu() && tensor.is_contiguous() && !tensor.is_sparse() &&
+             " is an undefined tensor; expected a defined, ", device_word(device),
+             ", contiguous tensor of ", kSupportedDtypes);
+  const bool ok = tensor.device() == device && tensor.is_contiguous() && !tensor.is_sparse() &&
                   is_supported(tensor.scalar_type());
   LOOM_CHECK(ok, InvalidArgument, op, ": ", what, " has dtype ", dtype_name(tensor.scalar_type()),
              ", shape ", shape_string(tensor), ", device ", tensor.device().str(),
-             tensor.is_contiguous() ? "" : ", non-contiguous", "; expected ", kSupported);
+             tensor.is_contiguous() ? "" : ", non-contiguous", "; expected a defined, ",
+             device_word(device), ", contiguous tensor of ", kSupportedDtypes);
 }
 
 void check_same_dtype(const char* op, const char* what, const at::Tensor& tensor,
@@ -127,11 +142,141 @@ void check_reduce_op(const char* op, ReduceOp reduce, at::ScalarType dtype) {
              "or use a floating-point dtype");
 }
 
-void check_same_dtype_list(const char* op, const std::vector<at::Tensor>& tensors) {
+void check_same_dtype_list(const char* op, const std::vector<at::Tensor>& tensors,
+                           const at::Device& device) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string what = "tensors[" + std::to_string(i) + "]";
-    check_tensor(op, what.c_str(), tensors[i]);
+    check_tensor(op, what.c_str(), tensors[i], device);
     check_same_dtype(op, what.c_str(), tensors[i], "tensors[0]", tensors[0]);
+  }
+}
+
+// --- whole ops ---------------------------------------------------------------------------------
+
+void check_all_reduce(const OpPlace& place, const at::Tensor& tensor, ReduceOp op) {
+  check_tensor("all_reduce", "tensor", tensor, place.device);
+  check_reduce_op("all_reduce", op, tensor.scalar_type());
+}
+
+void check_all_reduce_coalesced(const OpPlace& place, const std::vector<at::Tensor>& tensors,
+                                ReduceOp op) {
+  LOOM_CHECK(!tensors.empty(), InvalidArgument,
+             "all_reduce_coalesced: tensors is empty; expected at least one tensor");
+  check_same_dtype_list("all_reduce_coalesced", tensors, place.device);
+  check_reduce_op("all_reduce_coalesced", op, tensors[0].scalar_type());
+}
+
+void check_reduce_scatter(const OpPlace& place, const at::Tensor& output, const at::Tensor& input,
+                          ReduceOp op) {
+  check_tensor("reduce_scatter", "input", input, place.device);
+  check_tensor("reduce_scatter", "output", output, place.device);
+  check_same_dtype("reduce_scatter", "output", output, "input", input);
+  check_reduce_op("reduce_scatter", op, input.scalar_type());
+  check_numel("reduce_scatter", "output", output,
+              shard_range(input.numel(), place.size, place.rank).size());
+}
+
+void check_all_gather(const OpPlace& place, const at::Tensor& output, const at::Tensor& input) {
+  check_tensor("all_gather", "input", input, place.device);
+  check_tensor("all_gather", "output", output, place.device);
+  check_same_dtype("all_gather", "output", output, "input", input);
+  check_numel("all_gather", "output", output, input.numel() * place.size);
+}
+
+void check_all_gather(const OpPlace& place, const std::vector<at::Tensor>& outputs,
+                      const at::Tensor& input) {
+  check_tensor("all_gather", "input", input, place.device);
+  LOOM_CHECK(static_cast<int>(outputs.size()) == place.size, InvalidArgument,
+             "all_gather: outputs has ", outputs.size(), " tensors; expected one per rank (",
+             place.size, ")");
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    const std::string what = detail::concat("outputs[", r, "]");
+    check_tensor("all_gather", what.c_str(), outputs[r], place.device);
+    check_same_dtype("all_gather", what.c_str(), outputs[r], "input", input);
+    check_numel("all_gather", what.c_str(), outputs[r], input.numel());
+  }
+}
+
+void check_broadcast(const OpPlace& place, const at::Tensor& tensor, int root) {
+  check_tensor("broadcast", "tensor", tensor, place.device);
+  check_rank("broadcast", "root", root, place.size);
+}
+
+void check_send_recv(const OpPlace& place, const char* op, const at::Tensor& tensor, int peer,
+                     int tag) {
+  const bool is_send = std::string(op) == "send";
+  check_tensor(op, "tensor", tensor, place.device);
+  check_rank(op, is_send ? "dst" : "src", peer, place.size);
+  LOOM_CHECK(peer != place.rank, InvalidArgument, op, ": ", is_send ? "dst" : "src", " ", peer,
+             " is this rank; send and recv need another rank of the group");
+  LOOM_CHECK(tag >= 0, InvalidArgument, op, ": tag must be >= 0, got ", tag);
+}
+
+std::vector<int> check_subgroup_ranks(const OpPlace& place, const std::vector<int>& ranks) {
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  const std::string listed = "[" + rank_list(sorted, ",") + "]";
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    check_rank("new_subgroup", "listed rank", sorted[i], place.size);
+    LOOM_CHECK(i == 0 || sorted[i] != sorted[i - 1], InvalidArgument, "new_subgroup: rank ",
+               sorted[i], " is listed twice in ", listed);
+  }
+  LOOM_CHECK(std::find(sorted.begin(), sorted.end(), place.rank) != sorted.end(), InvalidArgument,
+             "new_subgroup: this rank (", place.rank, ") is not among the listed ranks ", listed,
+             "; only listed ranks may call it");
+  return sorted;
+}
+
+void check_new_group(const char* function, int rank, int size, const std::string& name,
+                     std::chrono::milliseconds connect_timeout) {
+  LOOM_CHECK(size > 0, InvalidArgument, function, ": size must be positive, got ", size);
+  check_rank(function, "rank", rank, size);
+  LOOM_CHECK(!name.empty(), InvalidArgument, function, ": options.name is empty");
+  LOOM_CHECK(connect_timeout.count() > 0, InvalidArgument, function,
+             ": connect_timeout must be positive, got ", connect_timeout.count(), " ms");
+}
+
+std::string fresh_store_prefix(Store& store, const std::string& base, int rank) {
+  const int64_t generation = store.add(detail::concat(base, "/creations/rank", rank), 1);
+  return detail::concat(base, "#", generation);
+}
+
+// --- GroupState --------------------------------------------------------------------------------
+
+GroupState::GroupState(int rank_, int size_, std::string name_, std::filesystem::path dump_dir_,
+                       size_t flight_capacity)
+    : rank(rank_),
+      size(size_),
+      name(std::move(name_)),
+      dump_dir(std::move(dump_dir_)),
+      description(detail::concat("'", name, "' (rank ", rank, " of ", size, ")")),
+      recorder(flight_capacity) {}
+
+bool GroupState::mark_broken(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!broken_.empty()) return false;
+  broken_ = why.empty() ? std::string("broken") : why;
+  return true;
+}
+
+std::string GroupState::broken_reason() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return broken_;
+}
+
+std::string GroupState::dump_flight() const noexcept {
+  if (dump_dir.empty()) return "";
+  try {
+    const std::filesystem::path file = dump_dir / detail::concat("rank_", rank, ".json");
+    try {
+      recorder.dump(file, rank, name);
+      return detail::concat("Flight recorder dumped to ", file.string(), ".");
+    } catch (const std::exception& e) {
+      return detail::concat("Writing the flight recorder dump ", file.string(),
+                            " failed: ", e.what());
+    }
+  } catch (...) {
+    return "";
   }
 }
 

@@ -1,10 +1,12 @@
-// FLOPs per token formulas and peak FLOP/s: a measured CPU matmul or a GPU datasheet table.
+// FLOPs per token formulas and peak FLOP/s: a measured CPU matmul, a GPU datasheet table, and
+// the dispatch to a measured GPU matmul (metrics/matmul_peak_cuda.cpp).
 #include "loom/metrics/flops.h"
 
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
+#include <vector>
 
 #include "loom/error.h"
 
@@ -58,30 +60,49 @@ PeakFlops measure_cpu_matmul_peak(const CpuPeakOptions& options) {
   return {best, "measured-cpu-matmul"};
 }
 
-std::optional<PeakFlops> datasheet_peak(const std::string& device_name) {
-  // Dense bf16 peaks (no sparsity), as TorchTitan's utils.get_peak_flops lists them.
-  struct Entry {
-    const char* name;
-    double flops;
+const std::vector<DatasheetEntry>& datasheet_table() {
+  // Dense bf16 tensor-core peaks (no sparsity) from NVIDIA's datasheets; the figures and the
+  // variant rules are TorchTitan's utils.get_peak_flops. More specific names come first: the
+  // first entry whose `match` is in the device name wins.
+  static const std::vector<DatasheetEntry> kTable = {
+      {"H100 NVL", "H100 NVL", 835e12}, {"H100 PCIe", "H100 PCIe", 756e12},
+      {"H100", "H100", 989e12},         {"H200 NVL", "H200 NVL", 835e12},
+      {"H200", "H200", 989e12},         {"B200", "B200", 2.25e15},
+      {"A100", "A100", 312e12},
   };
-  static constexpr Entry kTable[] = {{"H200", 989e12}, {"H100", 989e12}, {"A100", 312e12}};
-  for (const Entry& e : kTable) {
-    if (device_name.find(e.name) != std::string::npos) {
-      return PeakFlops{e.flops, std::string("datasheet:") + e.name};
+  return kTable;
+}
+
+std::optional<PeakFlops> datasheet_peak(const std::string& device_name) {
+  for (const DatasheetEntry& e : datasheet_table()) {
+    if (device_name.find(e.match) != std::string::npos) {
+      return PeakFlops{e.bf16_flops, "datasheet:" + e.label};
     }
   }
   return std::nullopt;
 }
 
+PeakFlops measure_matmul_peak(c10::Device device, const MatmulPeakOptions& options) {
+  if (device.is_cpu()) {
+    return measure_cpu_matmul_peak(
+        {.min_n = options.cpu_min_n, .max_n = options.cpu_max_n, .repeats = options.repeats});
+  }
+  LOOM_CHECK(device.is_cuda(), InvalidArgument, "measure_matmul_peak: no matmul peak for device ",
+             device.str(), "; use cpu or cuda");
+  return measure_cuda_bf16_matmul_peak(device.has_index() ? device.index() : 0, options);
+}
+
 PeakFlops peak_flops(c10::Device device) {
   if (device.is_cpu()) return measure_cpu_matmul_peak();
   LOOM_CHECK(device.is_cuda(), InvalidArgument, "peak_flops: no peak known for device ",
-             device.str());
-  const std::string name = cuda_device_name(device.has_index() ? device.index() : 0);
-  std::optional<PeakFlops> peak = datasheet_peak(name);
-  LOOM_CHECK(peak.has_value(), InvalidArgument, "peak_flops: GPU '", name,
-             "' is not in the datasheet table (H200, H100, A100); pass its peak FLOP/s yourself");
-  return *peak;
+             device.str(), "; MFU is defined for cpu and cuda devices");
+  const int index = device.has_index() ? device.index() : 0;
+  const std::string name = cuda_device_name(index);
+  if (std::optional<PeakFlops> peak = datasheet_peak(name)) return *peak;
+  // Not in the table: a measured peak, and the source says why it is not the datasheet's.
+  PeakFlops measured = measure_cuda_bf16_matmul_peak(index, {});
+  measured.source += " (GPU '" + name + "' is not in the datasheet table)";
+  return measured;
 }
 
 }  // namespace loom::metrics

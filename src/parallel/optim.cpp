@@ -1,6 +1,8 @@
 // AdamW and SGD on flat buffers, mirroring libtorch 1.13's torch/csrc/api/src/optim/adamw.cpp
 // and sgd.cpp statement by statement (the same ATen calls with the same scalars), so results
-// match torch::optim bit for bit on the same inputs.
+// match torch::optim bit for bit on the same inputs. On CUDA tensors AdamW runs the fused kernel
+// (kernels/adamw.cu, through parallel/device_kernels.h), which computes the same float
+// operations as the CPU path.
 #include "loom/parallel/optim.h"
 
 #include <ATen/ATen.h>
@@ -8,6 +10,8 @@
 #include <cmath>
 
 #include "loom/error.h"
+#include "parallel/device_kernels.h"
+#include "parallel/sum_of_squares.h"
 
 namespace loom::optim {
 
@@ -21,6 +25,28 @@ AdamW::AdamW(const AdamWOptions& options) : options_(options) {
 
 void AdamW::update(const at::Tensor& params, const at::Tensor& grads,
                    std::vector<at::Tensor>& state, int64_t step) const {
+  update_with_bf16_copy(params, grads, state, step, at::Tensor());
+}
+
+void AdamW::update_with_bf16_copy(const at::Tensor& params, const at::Tensor& grads,
+                                  std::vector<at::Tensor>& state, int64_t step,
+                                  const at::Tensor& bf16_params) const {
+  LOOM_CHECK(state.size() == 2, InvalidArgument,
+             "AdamW: state needs 2 tensors (exp_avg, "
+             "exp_avg_sq), got ",
+             state.size());
+  if (params.is_cuda()) {
+    internal::fused_adamw(
+        {options_.lr, options_.beta1, options_.beta2, options_.eps, options_.weight_decay, step},
+        params, grads, state[0], state[1], bf16_params);
+    return;
+  }
+  update_on_cpu(params, grads, state, step);
+  if (bf16_params.defined()) bf16_params.copy_(params);
+}
+
+void AdamW::update_on_cpu(const at::Tensor& params, const at::Tensor& grads,
+                          std::vector<at::Tensor>& state, int64_t step) const {
   at::Tensor p = params;  // a handle; the in-place ops below update the caller's storage
   if (options_.weight_decay != 0) p.mul_(1 - options_.lr * options_.weight_decay);
   at::Tensor& exp_avg = state.at(0);
@@ -62,4 +88,31 @@ void Sgd::update(const at::Tensor& params, const at::Tensor& grads, std::vector<
   p.add_(d_p, -1 * options_.lr);
 }
 
+namespace internal {
+
+at::Tensor sum_of_squares(const std::vector<at::Tensor>& tensors) {
+  bool fused = !tensors.empty();
+  for (const at::Tensor& t : tensors) {
+    fused = fused && t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+            t.device() == tensors[0].device();
+  }
+  if (fused) return fused_sum_of_squares(tensors);
+  // A float norm per tensor (no double copy), squared and summed in double.
+  if (!tensors.empty() && !tensors[0].is_cpu()) {
+    at::Tensor total = at::zeros({1}, tensors[0].options().dtype(at::kDouble));
+    for (const at::Tensor& t : tensors) {
+      total.add_(
+          at::linalg_vector_norm(t, 2, c10::nullopt, false, at::kFloat).to(at::kDouble).square());
+    }
+    return total;
+  }
+  double local = 0;
+  for (const at::Tensor& t : tensors) {
+    const double n = at::linalg_vector_norm(t, 2, c10::nullopt, false, at::kFloat).item<double>();
+    local += n * n;
+  }
+  return at::full({1}, local, at::kDouble);
+}
+
+}  // namespace internal
 }  // namespace loom::optim

@@ -32,7 +32,10 @@ struct NcclOptions {
 bool nccl_available();
 
 // Every rank calls it with the same store, which must outlive the group (subgroups bootstrap
-// through it). Rank 0 publishes the NCCL unique id under "nccl/<name>/unique_id".
+// through it). Rank 0 publishes the NCCL unique id under "nccl/<name>#<g>/unique_id", where g
+// counts this rank's groups of that name, so a reused name never reads an old id. Arguments
+// are checked as for Gloo (InvalidArgument), and so are every op's (the same shared checks,
+// with tensors on cuda:<device> instead of the CPU).
 std::unique_ptr<Group> new_nccl_group(Store& store, int rank, int size,
                                       const NcclOptions& options = {});
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace loom::metrics {
 
@@ -57,15 +58,43 @@ struct CpuPeakOptions {
 // (set it first: Runtime does). Takes about half a second on 2 cores at the defaults.
 PeakFlops measure_cpu_matmul_peak(const CpuPeakOptions& options = {});
 
-// The dense bf16 datasheet peak for a GPU whose name contains H200, H100 or A100 (989e12,
-// 989e12, 312e12: TorchTitan's table), or nothing for another name.
+// One row of the GPU datasheet table.
+struct DatasheetEntry {
+  std::string match;  // a device name containing this (cudaGetDeviceProperties' name) matches
+  std::string label;  // in PeakFlops::source: "datasheet:<label>"
+  double bf16_flops;  // dense bf16 tensor-core FLOP/s, no sparsity
+};
+
+// The table, most specific names first: H100 NVL 835e12, H100 PCIe 756e12, H100 (SXM) 989e12,
+// H200 NVL 835e12, H200 (SXM) 989e12, B200 2.25e15, A100 312e12 (TorchTitan's figures).
+const std::vector<DatasheetEntry>& datasheet_table();
+
+// The first entry of datasheet_table() whose match is in `device_name`, e.g. "NVIDIA H200" ->
+// {989e12, "datasheet:H200"}; nothing for another name ("Tesla T4", "").
 std::optional<PeakFlops> datasheet_peak(const std::string& device_name);
 
 // The name of CUDA device `index` (cudaGetDeviceProperties), or "" without CUDA support.
 std::string cuda_device_name(int index);
 
-// The peak for `device`: measured on the CPU; on a GPU the datasheet figure for its name.
-// A GPU not in the table is InvalidArgument naming it (pass a peak of your own instead).
+struct MatmulPeakOptions {
+  int64_t cpu_min_n = 1024;  // CPU: fp32 square matmuls of cpu_min_n ... cpu_max_n (doubling)
+  int64_t cpu_max_n = 2048;
+  int64_t cuda_n = 8192;  // CUDA: bf16 square matmuls of this size (8192: ~1.1 TFLOP each)
+  int repeats = 3;        // best of this many (CUDA: after one warm-up)
+};
+
+// A measured matmul peak: on the CPU measure_cpu_matmul_peak (fp32); on a GPU the best bf16
+// torch::mm FLOP/s timed with CUDA events on torch's current stream (source
+// "measured-cuda-bf16-matmul"). InvalidArgument for other devices, and for cuda in a build
+// without CUDA or with a libtorch that has none. Printed beside the datasheet figure, it says
+// how far this machine (clocks, power cap, cuBLAS) is from the datasheet.
+PeakFlops measure_matmul_peak(c10::Device device, const MatmulPeakOptions& options = {});
+// The CUDA part of measure_matmul_peak (metrics/matmul_peak_cuda.cpp; without CUDA it throws).
+PeakFlops measure_cuda_bf16_matmul_peak(int index, const MatmulPeakOptions& options);
+
+// The peak MFU divides by: measured on the CPU; on a GPU the datasheet figure for its name,
+// or, for a GPU not in the table, the measured bf16 matmul peak, with a source that says so
+// ("measured-cuda-bf16-matmul (GPU 'Tesla T4' is not in the datasheet table)").
 PeakFlops peak_flops(c10::Device device);
 
 }  // namespace loom::metrics

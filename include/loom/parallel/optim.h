@@ -52,6 +52,10 @@ class FlatOptimizer {
   virtual void set_lr(double lr) = 0;
 };
 
+// On CPU tensors: ATen ops, as torch::optim::AdamW. On CUDA tensors (fp32, contiguous, one
+// device): one fused kernel launch on torch's current stream (kernels/adamw.h) that computes the
+// same float operations in the same order, so a CUDA step equals the CPU step bit for bit on
+// the same inputs; no host synchronisation.
 class AdamW final : public FlatOptimizer {
  public:
   explicit AdamW(const AdamWOptions& options = {});
@@ -59,11 +63,19 @@ class AdamW final : public FlatOptimizer {
   std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
   void update(const at::Tensor& params, const at::Tensor& grads, std::vector<at::Tensor>& state,
               int64_t step) const override;
+  // update(), then bf16_params (a bf16 buffer shaped like params; undefined = none) receives the
+  // updated params rounded to nearest even. On CUDA it is written in the same pass.
+  void update_with_bf16_copy(const at::Tensor& params, const at::Tensor& grads,
+                             std::vector<at::Tensor>& state, int64_t step,
+                             const at::Tensor& bf16_params) const;
   double lr() const override { return options_.lr; }
   void set_lr(double lr) override { options_.lr = lr; }
   const AdamWOptions& options() const { return options_; }
 
  private:
+  void update_on_cpu(const at::Tensor& params, const at::Tensor& grads,
+                     std::vector<at::Tensor>& state, int64_t step) const;
+
   AdamWOptions options_;
 };
 

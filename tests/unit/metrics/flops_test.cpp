@@ -57,18 +57,45 @@ TEST(Flops, BadShapesAreInvalidArgument) {
 }
 
 TEST(Flops, DatasheetPeaksByDeviceName) {
-  auto h200 = datasheet_peak("NVIDIA H200");
-  ASSERT_TRUE(h200.has_value());
-  EXPECT_DOUBLE_EQ(h200->flops_per_second, 989e12);
-  EXPECT_EQ(h200->source, "datasheet:H200");
-  auto h100 = datasheet_peak("NVIDIA H100 80GB HBM3");
-  ASSERT_TRUE(h100.has_value());
-  EXPECT_DOUBLE_EQ(h100->flops_per_second, 989e12);
-  auto a100 = datasheet_peak("NVIDIA A100-SXM4-40GB");
-  ASSERT_TRUE(a100.has_value());
-  EXPECT_DOUBLE_EQ(a100->flops_per_second, 312e12);
-  EXPECT_EQ(a100->source, "datasheet:A100");
+  // The names cudaGetDeviceProperties reports, and the dense bf16 peak each must get.
+  struct Case {
+    const char* name;
+    double flops;
+    const char* source;
+  };
+  for (const Case& c : {Case{"NVIDIA H200", 989e12, "datasheet:H200"},
+                        Case{"NVIDIA H200 NVL", 835e12, "datasheet:H200 NVL"},
+                        Case{"NVIDIA H100 80GB HBM3", 989e12, "datasheet:H100"},
+                        Case{"NVIDIA H100 PCIe", 756e12, "datasheet:H100 PCIe"},
+                        Case{"NVIDIA H100 NVL", 835e12, "datasheet:H100 NVL"},
+                        Case{"NVIDIA B200", 2.25e15, "datasheet:B200"},
+                        Case{"NVIDIA A100-SXM4-40GB", 312e12, "datasheet:A100"},
+                        Case{"NVIDIA A100 80GB PCIe", 312e12, "datasheet:A100"}}) {
+    const auto peak = datasheet_peak(c.name);
+    ASSERT_TRUE(peak.has_value()) << c.name;
+    EXPECT_EQ(peak->flops_per_second, c.flops) << c.name;
+    EXPECT_EQ(peak->source, c.source) << c.name;
+  }
   EXPECT_FALSE(datasheet_peak("Tesla T4").has_value());
+  EXPECT_FALSE(datasheet_peak("").has_value());
+}
+
+TEST(Flops, DatasheetTablePutsSpecificNamesBeforeTheirPrefixes) {
+  const auto& table = datasheet_table();
+  for (size_t i = 0; i < table.size(); ++i) {
+    for (size_t j = i + 1; j < table.size(); ++j) {
+      EXPECT_EQ(table[j].match.find(table[i].match), std::string::npos)
+          << "'" << table[j].match << "' can never match: '" << table[i].match << "' comes first";
+    }
+  }
+}
+
+TEST(Flops, MeasuredPeakOnTheCpuIsTheCpuMatmul) {
+  const PeakFlops peak =
+      measure_matmul_peak(c10::Device(c10::kCPU), {.cpu_min_n = 128, .cpu_max_n = 128});
+  EXPECT_EQ(peak.source, "measured-cpu-matmul");
+  EXPECT_GT(peak.flops_per_second, 1e8);
+  EXPECT_THROW(measure_matmul_peak(c10::Device(c10::kMeta)), InvalidArgument);
 }
 
 TEST(Flops, CpuPeakIsMeasuredWithAMatmul) {

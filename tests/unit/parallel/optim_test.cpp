@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "loom/error.h"
+#include "parallel/sum_of_squares.h"
 
 namespace loom::optim {
 namespace {
@@ -64,6 +65,40 @@ TEST(FlatOptimizer, BadOptionsAreRejected) {
   EXPECT_THROW(AdamW({.lr = -1}), InvalidArgument);
   EXPECT_THROW(AdamW({.beta1 = 1.0}), InvalidArgument);
   EXPECT_THROW(Sgd({.nesterov = true}), InvalidArgument);
+}
+
+TEST(FlatOptimizer, AdamWBf16CopyIsTheUpdateRoundedToNearestEven) {
+  const AdamW adamw({.lr = 1e-2});
+  at::Tensor plain = at::randn({1000});
+  at::Tensor with_copy = plain.clone();
+  std::vector<at::Tensor> s1 = {at::zeros({1000}), at::zeros({1000})};
+  std::vector<at::Tensor> s2 = {at::zeros({1000}), at::zeros({1000})};
+  at::Tensor bf16 = at::empty({1000}, at::kBFloat16);
+  const at::Tensor grad = at::randn({1000});
+  adamw.update(plain, grad, s1, 1);
+  adamw.update_with_bf16_copy(with_copy, grad, s2, 1, bf16);
+  EXPECT_TRUE(with_copy.equal(plain));
+  EXPECT_TRUE(s2[0].equal(s1[0]) && s2[1].equal(s1[1]));
+  EXPECT_TRUE(bf16.equal(plain.to(at::kBFloat16)));
+  std::vector<at::Tensor> short_state = {at::zeros({1000})};
+  EXPECT_THROW(adamw.update(plain, grad, short_state, 2), InvalidArgument);
+}
+
+// The CPU path is the arithmetic DataParallel's clipping has used: a float 2-norm per tensor,
+// squared and summed in double.
+TEST(SumOfSquares, CpuIsFloatNormsSquaredAndSummedInDouble) {
+  const std::vector<at::Tensor> tensors = {at::randn({1000}), at::randn({7}) * 10, at::empty({0})};
+  double expected = 0;
+  for (const at::Tensor& t : tensors) {
+    const double n = at::linalg_vector_norm(t, 2, c10::nullopt, false, at::kFloat).item<double>();
+    expected += n * n;
+  }
+  const at::Tensor got = internal::sum_of_squares(tensors);
+  EXPECT_EQ(got.scalar_type(), at::kDouble);
+  EXPECT_TRUE(got.device().is_cpu());
+  ASSERT_EQ(got.numel(), 1);
+  EXPECT_EQ(got.item<double>(), expected);
+  EXPECT_EQ(internal::sum_of_squares({}).item<double>(), 0.0);
 }
 
 }  // namespace

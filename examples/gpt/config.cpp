@@ -1,0 +1,38 @@
+// The GPT example's configuration keys (config.h).
+#include "config.h"
+
+#include <loom/error.h>
+#include <loom/train/trainer.h>
+
+#include <string>
+
+namespace gpt {
+
+loom::ConfigSchema config_schema() {
+  loom::ConfigSchema s = loom::train::TrainOptions::schema();  // train.steps, train.lr, ...
+  s.add("data.train", "data/kjv-train-bpe", "training token dataset (loom data build text)");
+  s.add("data.val", "data/kjv-val-bpe", "held-out token dataset, same tokenizer");
+  s.add("model.n_layer", 4, "transformer blocks (L)");
+  s.add("model.n_head", 4, "attention heads per block (H)");
+  s.add("model.n_embd", 128, "model width C = H * head dim");
+  s.add("model.seq_len", 128, "context length T in tokens");
+  s.add("model.dtype", "float32",
+        "parameter and compute dtype: float32, or bfloat16 (fp32 master weights and AdamW state)");
+  s.add("train.batch_size", 16, "sequences per step, over all ranks");
+  s.add("train.weight_decay", 0.1, "AdamW weight decay");
+  s.add("eval.batches", 8, "held-out batches of train.batch_size sequences per evaluation");
+  s.add("sample.prompt", "And God said", "text the samples start from");
+  s.add("sample.tokens", 48, "tokens to generate per sample");
+  s.add("sample.top_k", 20, "sample from the k most likely tokens (1 = greedy)");
+  s.add("sample.temperature", 0.8, "softmax temperature of sampling");
+  return s;
+}
+
+c10::ScalarType parameter_dtype(const loom::Config& config) {
+  const std::string dtype = config.get<std::string>("model.dtype");
+  if (dtype == "float32") return c10::kFloat;
+  if (dtype == "bfloat16") return c10::kBFloat16;
+  throw loom::ConfigError("model.dtype is \"" + dtype + "\"; use float32 or bfloat16");
+}
+
+}  // namespace gpt

@@ -1,0 +1,62 @@
+// Every bundled GPT config loads through the example's keys (with Runtime's), as the program
+// would load it, and GPT-2 124M has GPT-2 small's shape, bf16 and the H200 micro-batch.
+#include "config.h"
+
+#include <gtest/gtest.h>
+#include <loom/error.h>
+#include <loom/runtime.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace gpt {
+namespace {
+
+loom::Config load(const std::vector<std::string>& args) {
+  loom::ConfigSchema schema = loom::Runtime::schema();
+  schema.merge(config_schema());
+  std::vector<const char*> argv = {"gpt"};
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  return loom::Config::from_args(schema, static_cast<int>(argv.size()), argv.data());
+}
+
+const std::filesystem::path kConfigs = std::filesystem::path(GPT_SOURCE_DIR) / "configs";
+
+TEST(GptConfigs, EveryBundledConfigLoadsWithCudaAsTheDevice) {
+  int loaded = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(kConfigs)) {
+    if (entry.path().extension() != ".toml") continue;
+    const loom::Config cfg = load({"--config=" + entry.path().string(), "--run.device=cuda"});
+    EXPECT_EQ(cfg.get<std::string>("run.device"), "cuda") << entry.path();
+    EXPECT_NO_THROW(parameter_dtype(cfg)) << entry.path();
+    ++loaded;
+  }
+  EXPECT_GE(loaded, 3);  // tiny, small, gpt2-124m at least
+}
+
+TEST(GptConfigs, Gpt2SmallIsTwelveByTwelveByWide768InBf16) {
+  const loom::Config cfg = load({"--config=" + (kConfigs / "gpt2-124m.toml").string()});
+  EXPECT_EQ(cfg.get<int64_t>("model.n_layer"), 12);
+  EXPECT_EQ(cfg.get<int64_t>("model.n_head"), 12);
+  EXPECT_EQ(cfg.get<int64_t>("model.n_embd"), 768);
+  EXPECT_EQ(cfg.get<int64_t>("model.seq_len"), 1024);
+  EXPECT_EQ(parameter_dtype(cfg), c10::kBFloat16);
+  // 512 sequences (llm.c's 0.5M tokens) per step in micro-batches of 64 on one H200.
+  EXPECT_EQ(cfg.get<int64_t>("train.batch_size"), 512);
+  EXPECT_EQ(cfg.get<int64_t>("train.batch_size") / cfg.get<int64_t>("train.micro_batches"), 64);
+}
+
+TEST(GptConfigs, AnUnknownDtypeIsAConfigErrorNamingTheKey) {
+  const loom::Config cfg = load({"--model.dtype=float8"});
+  try {
+    parameter_dtype(cfg);
+    ADD_FAILURE() << "expected a ConfigError";
+  } catch (const loom::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.dtype"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(parameter_dtype(load({})), c10::kFloat);
+}
+
+}  // namespace
+}  // namespace gpt
