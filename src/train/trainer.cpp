@@ -254,7 +254,7 @@ struct Trainer::Impl {
       auto phase = timer.phase(Phase::kDataWait);
       batch = reader.next();
     }
-    double loss_sum = 0;
+    at::Tensor loss_sum;  // this rank's micro-batch losses, summed in double on their device
     int64_t tokens = 0, samples = 0;
     dp.zero_grad();
     {
@@ -263,7 +263,8 @@ struct Trainer::Impl {
         dp.set_sync(m + 1 == options.micro_batches);
         MicroStep micro = loss_fn(micro_batch(batch, m, options.micro_batches));
         (micro.loss / static_cast<double>(options.micro_batches)).backward();
-        loss_sum += micro.loss.item<double>();
+        const at::Tensor loss = micro.loss.detach().to(at::kDouble);
+        loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
         tokens += micro.tokens;
         samples += micro.samples;
       }
@@ -272,13 +273,15 @@ struct Trainer::Impl {
       auto phase = timer.phase(Phase::kCommWait);
       dp.finish_gradient_sync();
     }
-    info.local_loss = loss_sum / static_cast<double>(options.micro_batches);
     {
       auto phase = timer.phase(Phase::kOptimizer);
       info.grad_norm = dp.clip_grad_norm(
           options.grad_clip > 0 ? options.grad_clip : std::numeric_limits<double>::infinity());
       info.lr = options.schedule(step);
     }
+    // The loss's one host read of the step, after the norm's: on a GPU the device has then run
+    // backward already, so the read costs a copy, not a wait.
+    info.local_loss = loss_sum.item<double>() / static_cast<double>(options.micro_batches);
     if (!std::isfinite(info.grad_norm)) {
       LOOM_CHECK(options.on_non_finite == NonFinite::kSkip, Error, "step ", step,
                  ": the gradient norm is ", info.grad_norm, "; first non-finite gradient on rank ",
@@ -298,11 +301,11 @@ struct Trainer::Impl {
       dp.optimizer().set_lr(info.lr);
       dp.step();
     }
-    // One small all-reduce: the loss sum, and whether any rank was asked to stop (so that
-    // every rank stops after the same step).
+    // One small all-reduce on the control group (host scalars, never the tensor group): the
+    // loss sum, and whether any rank was asked to stop (so every rank stops after the same step).
     at::Tensor sums =
         at::tensor({info.local_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0}, at::kDouble);
-    rt.world_group().all_reduce(sums)->wait();
+    rt.control_group().all_reduce(sums)->wait();
     info.loss = sums[0].item<double>() / rt.world_size();
     stop_agreed = sums[1].item<double>() > 0;
     const metrics::StepMetrics logged =

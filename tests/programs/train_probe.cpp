@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
                                    .seed = rt.seed()});
     TinyLm model(static_cast<int64_t>(reader->manifest().vocab_size), 32);
     loom::parallel::DataParallel dp(
-        model.ptr(), rt.world_group(),
+        model.ptr(), rt.world_group(), rt.control_group(),
         {.bucket_bytes = 4096, .zero_stage = stage_of(cfg.get<std::string>("probe.mode"))});
     dp.set_optimizer(std::make_unique<loom::optim::AdamW>(loom::optim::AdamWOptions{}));
     at::manual_seed(rt.rank_seed());  // dropout differs per rank, reproducibly

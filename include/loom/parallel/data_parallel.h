@@ -84,8 +84,14 @@ class DataParallel {
  public:
   // Collective. Checks that every rank has the same parameter names, shapes and dtypes
   // (InvalidArgument naming the first mismatch and the rank), then broadcasts rank 0's
-  // parameters and buffers. Throws Timeout/CommError from the group.
+  // parameters and buffers. Throws Timeout/CommError from the group. The checks' bytes travel
+  // over `group` on the parameters' device.
   DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group,
+               const DataParallelOptions& options = {});
+  // The same, with the construction checks (host bytes) over `control`, a group of CPU
+  // tensors with the same ranks (Runtime::control_group()); `group` then carries only the
+  // parameters' and gradients' tensors. Both groups must outlive the DataParallel.
+  DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group, comm::Group& control,
                const DataParallelOptions& options = {});
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;
@@ -156,6 +162,9 @@ class DataParallel {
   std::vector<std::string> bucket_parameters(int b) const;
 
  private:
+  DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group, comm::Group* control,
+               const DataParallelOptions& options);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

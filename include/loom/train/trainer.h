@@ -98,7 +98,9 @@ struct FitResult {
 };
 
 // Not copyable. Every rank builds one with the same options and calls fit(). The Runtime,
-// DataParallel and Reader must outlive it; fit() uses rt.store() and rt.world_group().
+// DataParallel and Reader must outlive it. fit() uses rt.store() (checkpoint agreement) and
+// rt.control_group() (the per-step loss and stop flag, CPU tensors); it sends nothing to
+// rt.world_group() itself: only the DataParallel's buckets and gathers travel there.
 class Trainer {
  public:
   Trainer(Runtime& rt, parallel::DataParallel& dp, data::Reader& reader, TrainOptions options,
