@@ -676,6 +676,13 @@ void DataParallel::zero_grad() {
 
 double DataParallel::clip_grad_norm(double max_norm) { return impl_->clip_grad_norm(max_norm); }
 
+void DataParallel::scale_gradients(double factor) {
+  torch::NoGradGuard no_grad;
+  for (Bucket& bucket : impl_->buckets) {
+    (impl_->options.zero_stage == ZeroStage::kTwo ? bucket.grad_shard : bucket.grad).mul_(factor);
+  }
+}
+
 void DataParallel::set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer) {
   LOOM_CHECK(optimizer != nullptr, InvalidArgument, "DataParallel::set_optimizer: null");
   impl_->optimizer = std::move(optimizer);

@@ -134,6 +134,11 @@ class DataParallel {
   // all-reduced. Returns the norm before clipping. Collective; after finish_gradient_sync.
   double clip_grad_norm(double max_norm);
 
+  // Multiplies the reduced gradients (this rank's slices for kTwo) by `factor`: unscaling after
+  // loss scaling (factor = 1 / scale). On the parameters' device, no host read. After
+  // finish_gradient_sync, before clip_grad_norm and step.
+  void scale_gradients(double factor);
+
   // The optimizer step() uses. Required before step().
   void set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer);
   optim::FlatOptimizer& optimizer() const;

@@ -41,9 +41,7 @@ struct Op {
   std::string op;
   std::string dtype;
   int64_t numel = 0;
-  bool operator==(const Op& o) const {
-    return op == o.op && dtype == o.dtype && numel == o.numel;
-  }
+  bool operator==(const Op& o) const { return op == o.op && dtype == o.dtype && numel == o.numel; }
 };
 std::ostream& operator<<(std::ostream& out, const Op& op) {
   return out << op.op << " " << op.dtype << "[" << op.numel << "]";
@@ -56,7 +54,8 @@ std::string dtype_of(const at::Tensor& t) { return c10::toString(t.scalar_type()
 // tensor: InvalidArgument before anything is enqueued, so the rank fails at the offending call.
 class DeviceOnlyGroup final : public comm::Group {
  public:
-  DeviceOnlyGroup(std::unique_ptr<comm::Group> inner, std::function<bool(const at::Tensor&)> is_device)
+  DeviceOnlyGroup(std::unique_ptr<comm::Group> inner,
+                  std::function<bool(const at::Tensor&)> is_device)
       : inner_(std::move(inner)), is_device_(std::move(is_device)) {}
 
   int rank() const override { return inner_->rank(); }
@@ -64,7 +63,8 @@ class DeviceOnlyGroup final : public comm::Group {
   const std::string& name() const override { return inner_->name(); }
 
   WorkPtr all_reduce(at::Tensor& t, const comm::AllReduceOptions& o) override {
-    const bool norm = t.scalar_type() == at::kDouble && t.numel() == 1 && o.op == comm::ReduceOp::kSum;
+    const bool norm =
+        t.scalar_type() == at::kDouble && t.numel() == 1 && o.op == comm::ReduceOp::kSum;
     admit({"all_reduce", dtype_of(t), t.numel()}, norm || is_device_(t));
     return inner_->all_reduce(t, o);
   }
@@ -108,9 +108,7 @@ class DeviceOnlyGroup final : public comm::Group {
     admit({"new_subgroup", "", static_cast<int64_t>(ranks.size())}, false);
     return inner_->new_subgroup(ranks);
   }
-  const comm::FlightRecorder& flight_recorder() const override {
-    return inner_->flight_recorder();
-  }
+  const comm::FlightRecorder& flight_recorder() const override { return inner_->flight_recorder(); }
 
   std::vector<Op> ops() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -184,9 +182,7 @@ class RecordingGroup final : public comm::Group {
   std::unique_ptr<comm::Group> new_subgroup(const std::vector<int>& ranks) override {
     return inner_->new_subgroup(ranks);
   }
-  const comm::FlightRecorder& flight_recorder() const override {
-    return inner_->flight_recorder();
-  }
+  const comm::FlightRecorder& flight_recorder() const override { return inner_->flight_recorder(); }
   std::vector<Op> ops() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return ops_;
@@ -288,10 +284,10 @@ TEST_P(TrainerGroups, ControlTrafficNeverReachesTheTensorGroup) {
   testing::expect_all_ok(testing::run_threads(kWorld, [&](testing::Rank& r) {
     ConfigSchema keys = Runtime::schema();
     keys.merge(TrainOptions::schema());
-    const Config config = Config::load(keys, {.read_env = false,
-                                              .overrides = {"run.dir=" + run_dir.string(),
-                                                            "run.device=cpu", "log.level=warn",
-                                                            "log.to_file=false"}});
+    const Config config =
+        Config::load(keys, {.read_env = false,
+                            .overrides = {"run.dir=" + run_dir.string(), "run.device=cpu",
+                                          "log.level=warn", "log.to_file=false"}});
     // The model of the current phase, for the decorator's rule.
     std::shared_ptr<TinyLm> model;
     auto tensor = std::make_unique<DeviceOnlyGroup>(
@@ -301,11 +297,10 @@ TEST_P(TrainerGroups, ControlTrafficNeverReachesTheTensorGroup) {
         comm::new_gloo_group(r.store, r.rank, r.world, {.name = "control"}));
     DeviceOnlyGroup* tensor_ops = tensor.get();
     RecordingGroup* control_ops = control.get();
-    Runtime rt = Runtime::init(config, Topology{r.rank, r.world, r.rank, r.world},
-                               /*configure_process=*/false,
-                               {.store = &r.store,
-                                .world_group = std::move(tensor),
-                                .control_group = std::move(control)});
+    Runtime rt = Runtime::init(
+        config, Topology{r.rank, r.world, r.rank, r.world},
+        /*configure_process=*/false,
+        {.store = &r.store, .world_group = std::move(tensor), .control_group = std::move(control)});
     ASSERT_EQ(&rt.world_group(), tensor_ops);
     ASSERT_EQ(&rt.control_group(), control_ops);
 
@@ -324,24 +319,25 @@ TEST_P(TrainerGroups, ControlTrafficNeverReachesTheTensorGroup) {
       options.eval_every = 3;
       options.checkpoint_every = 2;
       options.log_every = 1000;
-      Trainer trainer(
-          rt, dp, *reader, options,
-          [&](const data::Batch& b) {
-            const at::Tensor tokens = b["tokens"];
-            const at::Tensor logits = model->forward(tokens.slice(1, 0, -1));
-            return MicroStep{torch::cross_entropy_loss(logits.reshape({-1, kVocab}),
-                                                       tokens.slice(1, 1).reshape({-1})),
-                             tokens.numel(), tokens.size(0)};
-          },
-          {.on_eval =
-               [&](int64_t) {
-                 // An evaluation's sums are host scalars: the control group carries them.
-                 at::Tensor sums = at::tensor({1.5, 2.0}, at::kDouble);
-                 rt.control_group().all_reduce(sums)->wait();
-                 EXPECT_EQ(sums[0].item<double>(), 3.0);
-                 ++evaluations;
-               },
-           .on_step_end = [&](const StepInfo& info) { losses.push_back(info.loss); }});
+      Trainer trainer(rt, dp, *reader, options,
+                      [&](const data::Batch& b) {
+                        const at::Tensor tokens = b["tokens"];
+                        const at::Tensor logits = model->forward(tokens.slice(1, 0, -1));
+                        return MicroStep{
+                            torch::cross_entropy_loss(logits.reshape({-1, kVocab}),
+                                                      tokens.slice(1, 1).reshape({-1})),
+                            tokens.numel(), tokens.size(0)};
+                      },
+                      {.on_eval =
+                           [&](int64_t) {
+                             // An evaluation's sums are host scalars: the control group carries
+                             // them.
+                             at::Tensor sums = at::tensor({1.5, 2.0}, at::kDouble);
+                             rt.control_group().all_reduce(sums)->wait();
+                             EXPECT_EQ(sums[0].item<double>(), 3.0);
+                             ++evaluations;
+                           },
+                       .on_step_end = [&](const StepInfo& info) { losses.push_back(info.loss); }});
       const Expected expected{dp, *model, stage};
       expected.construction(expected_tensor);
       const FitResult result = trainer.fit();
@@ -420,8 +416,8 @@ TEST(RuntimeGroups, ControlGroupIsASecondGlooGroupAndAttachedGroupsMustMatch) {
     const std::string error = testing::error_of<InvalidArgument>([&] {
       Runtime::init(config, Topology{r.rank, r.world, r.rank, r.world}, false,
                     {.store = &r.store,
-                     .control_group = comm::new_gloo_group(r.store, 0, 1,
-                                                           {.name = "solo" + std::to_string(r.rank)})});
+                     .control_group = comm::new_gloo_group(
+                         r.store, 0, 1, {.name = "solo" + std::to_string(r.rank)})});
     });
     EXPECT_TRUE(testing::contains(error, "rank 0 of 1 but the topology is rank")) << error;
   }));
