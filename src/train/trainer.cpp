@@ -140,8 +140,8 @@ struct Trainer::Impl {
   int64_t step = 0;          // the next step's index = steps completed
   int64_t skipped = 0;
   bool stop_agreed = false;      // some rank got SIGTERM/SIGINT before the last step's all-reduce
-  double loss_scale = 1;         // LossScaling: the current scale, and the steps since the last
-  int64_t scale_good_steps = 0;  // overflow or growth
+  double loss_scale = 1;         // LossScaling: the current scale (1 without)
+  int64_t scale_good_steps = 0;  // steps since the last overflow or growth
 
   Impl(Runtime& r, parallel::DataParallel& d, data::Reader& rd, TrainOptions o, LossFn l,
        Callbacks c)
@@ -186,12 +186,10 @@ struct Trainer::Impl {
     state.add(
         "rng/cpu", rng_buffer.view({1, -1}),
         ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
-    state.blobs["trainer"] = json{
-        {"step", step},
-        {"skipped_steps", skipped},
-        {"loss_scale", loss_scale},
-        {"loss_scale_good_steps",
-         scale_good_steps}}.dump();
+    json trainer{{"step", step}, {"skipped_steps", skipped}};
+    trainer["loss_scale"] = loss_scale;
+    trainer["loss_scale_good_steps"] = scale_good_steps;
+    state.blobs["trainer"] = trainer.dump();
     state.blobs["reader"] = reader.state().to_json();
     state.blobs["config"] = json(rt.config().to_toml()).dump();
     return state;

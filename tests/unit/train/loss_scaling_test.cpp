@@ -53,7 +53,7 @@ class LossScalingTest : public ::testing::Test {
   // Trains `steps` steps in run directory `name`; the loss of step `overflow_at` is multiplied
   // by 1e36, whose gradients overflow fp32 once scaled by the loss scale.
   TrainRun train(const std::string& name, int64_t steps, LossScaling scaling,
-            int64_t overflow_at = -1) {
+                 int64_t overflow_at = -1) {
     const Config config = Config::load(
         Runtime::schema(), {.read_env = false,
                             .overrides = {"run.dir=" + (dir_ / name).string(), "run.device=cpu",
@@ -71,23 +71,22 @@ class LossScalingTest : public ::testing::Test {
     options.loss_scaling = scaling;
     TrainRun run;
     int64_t step = 0;
-    Trainer trainer(
-        rt, dp, *reader, options,
-        [&](const data::Batch& b) {
-          const at::Tensor tokens = b["tokens"];
-          const at::Tensor logits = model->out(model->embed(tokens.slice(1, 0, -1)));
-          at::Tensor loss = torch::cross_entropy_loss(logits.reshape({-1, kVocab}),
-                                                      tokens.slice(1, 1).reshape({-1}));
-          if (step == overflow_at) loss = loss * 1e36;
-          return MicroStep{loss, tokens.numel(), tokens.size(0)};
-        },
-        {.on_step_end = [&](const StepInfo& info) {
-          run.losses.push_back(info.local_loss);
-          run.scales.push_back(info.loss_scale);
-          run.skipped.push_back(info.skipped);
-          run.weights.push_back(model->out->weight.detach().clone());
-          step = info.step + 1;
-        }});
+    Trainer trainer(rt, dp, *reader, options,
+                    [&](const data::Batch& b) {
+                      const at::Tensor tokens = b["tokens"];
+                      const at::Tensor logits = model->out(model->embed(tokens.slice(1, 0, -1)));
+                      at::Tensor loss = torch::cross_entropy_loss(logits.reshape({-1, kVocab}),
+                                                                  tokens.slice(1, 1).reshape({-1}));
+                      if (step == overflow_at) loss = loss * 1e36;
+                      return MicroStep{loss, tokens.numel(), tokens.size(0)};
+                    },
+                    {.on_step_end = [&](const StepInfo& info) {
+                      run.losses.push_back(info.local_loss);
+                      run.scales.push_back(info.loss_scale);
+                      run.skipped.push_back(info.skipped);
+                      run.weights.push_back(model->out->weight.detach().clone());
+                      step = info.step + 1;
+                    }});
     run.result = trainer.fit();
     return run;
   }
@@ -101,7 +100,8 @@ constexpr LossScaling kScaling{
 TEST_F(LossScalingTest, OverflowSkipsTheStepAndHalvesTheScaleGoodStepsGrowIt) {
   const TrainRun run = train("overflow", 8, kScaling, /*overflow_at=*/4);
   EXPECT_EQ(run.scales, (std::vector<double>{1024, 1024, 1024, 2048, 2048, 1024, 1024, 1024}));
-  EXPECT_EQ(run.skipped, (std::vector<bool>{false, false, false, false, true, false, false, false}));
+  EXPECT_EQ(run.skipped,
+            (std::vector<bool>{false, false, false, false, true, false, false, false}));
   EXPECT_EQ(run.result.skipped_steps, 1);
   EXPECT_TRUE(at::equal(run.weights[4], run.weights[3])) << "the skipped step changed nothing";
   EXPECT_FALSE(at::equal(run.weights[5], run.weights[4]));
