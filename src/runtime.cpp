@@ -122,25 +122,35 @@ struct Runtime::Impl {
   int threads = 1;
   std::unique_ptr<control::Heartbeat> heartbeat;  // under `loom run` only
 
-  // Created on first use; protected by mutex.
+  // Created on first use (or attached at init); protected by mutex.
   std::mutex mutex;
   std::unique_ptr<comm::Store> base_store;
-  std::unique_ptr<comm::Store> store;
+  std::unique_ptr<comm::Store> owned_store;
+  comm::Store* store = nullptr;  // owned_store, or an attached one
   std::unique_ptr<comm::Group> world_group;
+  std::unique_ptr<comm::Group> control_group;
 
   ~Impl() {
-    heartbeat.reset();    // its thread may call dump_flight
-    world_group.reset();  // before the stores it bootstrapped over
+    heartbeat.reset();  // its thread may call dump_flight
+    control_group.reset();
+    world_group.reset();  // before the stores they bootstrapped over
   }
 
-  // Writes the world group's flight recorder to <run_dir>/flight (a coordinator request).
+  std::filesystem::path flight_dir(bool control) const {
+    return control ? run_dir / "flight" / "control" : run_dir / "flight";
+  }
+
+  // Writes the groups' flight recorders to <run_dir>/flight (a coordinator request).
   void dump_flight() {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!world_group) return;
-    const auto file = comm::flight_dump_file(run_dir / "flight", topology.rank);
-    std::filesystem::create_directories(file.parent_path());
-    world_group->flight_recorder().dump(file, topology.rank, world_group->name());
-    logger->info("flight recorder dumped to {} (coordinator request)", file.string());
+    for (const bool control : {false, true}) {
+      const comm::Group* group = control ? control_group.get() : world_group.get();
+      if (group == nullptr) continue;
+      const auto file = comm::flight_dump_file(flight_dir(control), topology.rank);
+      std::filesystem::create_directories(file.parent_path());
+      group->flight_recorder().dump(file, topology.rank, group->name());
+      logger->info("flight recorder dumped to {} (coordinator request)", file.string());
+    }
   }
 };
 
@@ -170,8 +180,24 @@ Runtime Runtime::init(int argc, const char* const* argv, const ConfigSchema& pro
 }
 
 Runtime Runtime::init(const Config& config, const Topology& topology, bool configure_process) {
+  return init(config, topology, configure_process, Attachments{});
+}
+
+Runtime Runtime::init(const Config& config, const Topology& topology, bool configure_process,
+                      Attachments attachments) {
   topology.validate();
+  for (const comm::Group* group :
+       {attachments.world_group.get(), attachments.control_group.get()}) {
+    LOOM_CHECK(group == nullptr ||
+                   (group->rank() == topology.rank && group->size() == topology.world_size),
+               InvalidArgument, "Runtime::init: attached group '", group->name(), "' is rank ",
+               group->rank(), " of ", group->size(), " but the topology is rank ", topology.rank,
+               " of ", topology.world_size);
+  }
   auto impl = std::make_unique<Impl>();
+  impl->store = attachments.store;
+  impl->world_group = std::move(attachments.world_group);
+  impl->control_group = std::move(attachments.control_group);
   impl->topology = topology;
   impl->config = config;
   impl->run_dir = std::filesystem::absolute(config.get<std::string>("run.dir"));
@@ -251,23 +277,40 @@ int run_main(int argc, const char* const* argv, const ConfigSchema& program_keys
 comm::Store& Runtime::store() const {
   Impl& impl = *impl_;
   std::lock_guard<std::mutex> lock(impl.mutex);
-  if (impl.store) return *impl.store;
+  if (impl.store != nullptr) return *impl.store;
   const Topology& t = impl.topology;
   const std::string store_dir = env_str("LOOM_STORE_DIR");
   if (t.generation > 0 && !t.coordinator.empty()) {
     impl.base_store = std::make_unique<control::CoordinatorStore>(t.coordinator, t.job_token);
-    impl.store =
+    impl.owned_store =
         std::make_unique<comm::PrefixStore>(detail::concat("gen", t.generation), *impl.base_store);
   } else if (!store_dir.empty()) {
-    impl.store = std::make_unique<comm::FileStore>(store_dir);
+    impl.owned_store = std::make_unique<comm::FileStore>(store_dir);
   } else {
     LOOM_CHECK(t.world_size == 1, InvalidArgument, "rank ", t.rank, " of ", t.world_size,
                " has no rendezvous store: start multi-process jobs with `loom run` (or set "
                "LOOM_STORE_DIR to a directory all ranks share)");
-    impl.store = std::make_unique<comm::InMemoryStore>();
+    impl.owned_store = std::make_unique<comm::InMemoryStore>();
   }
+  impl.store = impl.owned_store.get();
   return *impl.store;
 }
+
+namespace {
+
+// A Gloo group of all ranks; `loom run` tells each worker the address its node reaches the
+// other nodes by.
+std::unique_ptr<comm::Group> new_gloo_world(comm::Store& store, const Topology& t,
+                                            const std::string& name,
+                                            const std::filesystem::path& flight_dir) {
+  const std::string advertise = env_str("LOOM_ADVERTISE_ADDR");
+  return comm::new_gloo_group(store, t.rank, t.world_size,
+                              {.hostname = advertise.empty() ? "127.0.0.1" : advertise,
+                               .flight_dump_dir = flight_dir,
+                               .name = name});
+}
+
+}  // namespace
 
 comm::Group& Runtime::world_group() const {
   comm::Store& s = store();
@@ -275,20 +318,29 @@ comm::Group& Runtime::world_group() const {
   std::lock_guard<std::mutex> lock(impl.mutex);
   if (!impl.world_group) {
     const Topology& t = impl.topology;
-    // `loom run` tells each worker the address its node reaches the other nodes by.
-    const std::string advertise = env_str("LOOM_ADVERTISE_ADDR");
     if (impl.device.is_cuda()) {
       impl.world_group = comm::new_nccl_group(
           s, t.rank, t.world_size,
-          {.device = impl.device.index(), .flight_dump_dir = impl.run_dir / "flight"});
+          {.device = impl.device.index(), .flight_dump_dir = impl.flight_dir(false)});
     } else {
-      impl.world_group =
-          comm::new_gloo_group(s, t.rank, t.world_size,
-                               {.hostname = advertise.empty() ? "127.0.0.1" : advertise,
-                                .flight_dump_dir = impl.run_dir / "flight"});
+      impl.world_group = new_gloo_world(s, t, "world", impl.flight_dir(false));
     }
   }
   return *impl.world_group;
+}
+
+comm::Group& Runtime::control_group() const {
+  comm::Store& s = store();
+  Impl& impl = *impl_;
+  std::lock_guard<std::mutex> lock(impl.mutex);
+  if (!impl.control_group) {
+    // A second Gloo group even on the CPU, where world_group is Gloo too: control scalars then
+    // never wait behind gradient buckets queued on the world group's worker, and the CPU runs
+    // the same group layout (and the same tests) as a GPU job. It costs one more connection
+    // per peer and two threads per rank.
+    impl.control_group = new_gloo_world(s, impl.topology, "control", impl.flight_dir(true));
+  }
+  return *impl.control_group;
 }
 
 void Runtime::report_progress(int64_t step, double throughput, const std::string& state) const {

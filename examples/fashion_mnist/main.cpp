@@ -76,7 +76,7 @@ double accuracy(loom::Runtime& rt, Net& net, const loom::data::Reader& test, int
   }
   net->train();
   torch::Tensor total = torch::tensor({static_cast<double>(correct)}, torch::kDouble);
-  rt.world_group().all_reduce(total)->wait();
+  rt.control_group().all_reduce(total)->wait();  // host counts: the control group
   return total.item<double>() / static_cast<double>(n);
 }
 
@@ -97,7 +97,7 @@ void train(loom::Runtime& rt) {
 
   Net net(cfg.get<int>("model.width"), cfg.get<int>("model.hidden"),
           cfg.get<double>("model.dropout"));
-  loom::parallel::DataParallel dp(net.ptr(), rt.world_group());
+  loom::parallel::DataParallel dp(net.ptr(), rt.world_group(), rt.control_group());
   dp.set_optimizer(std::make_unique<loom::optim::AdamW>(
       loom::optim::AdamWOptions{.lr = cfg.get<double>("train.lr"), .weight_decay = 1e-4}));
   at::manual_seed(rt.rank_seed());  // dropout and flips differ per rank, reproducibly

@@ -104,7 +104,7 @@ void train(loom::Runtime& rt) {
 
   // Data parallelism with Loom's AdamW (betas 0.9/0.95, GPT-2/nanoGPT practice). Its weight
   // decay applies to every parameter, LayerNorms and biases included.
-  loom::parallel::DataParallel dp(model.ptr(), rt.world_group());
+  loom::parallel::DataParallel dp(model.ptr(), rt.world_group(), rt.control_group());
   dp.set_optimizer(std::make_unique<loom::optim::AdamW>(
       loom::optim::AdamWOptions{.lr = cfg.get<double>("train.lr"),
                                 .beta2 = 0.95,

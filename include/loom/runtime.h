@@ -70,6 +70,16 @@ class Runtime {
   static Runtime init(const Config& config, const Topology& topology,
                       bool configure_process = true);
 
+  // What an embedder (or a test running ranks as threads) brings instead of what Runtime would
+  // build. Destroying one needs loom/comm/group.h (the groups are owned).
+  struct Attachments {
+    comm::Store* store = nullptr;  // used as store(); not owned, must outlive the Runtime
+    std::unique_ptr<comm::Group> world_group;    // used as world_group(); null = built
+    std::unique_ptr<comm::Group> control_group;  // used as control_group(); null = built
+  };
+  static Runtime init(const Config& config, const Topology& topology, bool configure_process,
+                      Attachments attachments);
+
   Runtime(Runtime&&) noexcept;
   Runtime& operator=(Runtime&&) noexcept;
   ~Runtime();
@@ -107,9 +117,16 @@ class Runtime {
   // that directory (processes on one host); for a single process an in-memory store.
   // Otherwise (several ranks, no launcher) InvalidArgument saying how to start the job.
   comm::Store& store() const;
-  // The group of all ranks, created on first use over store(): Gloo on CPU, NCCL on CUDA.
-  // Collective: every rank calls it. Its flight dumps go to <run_dir>/flight.
+  // The tensor group: all ranks, created on first use over store(): Gloo on CPU, NCCL on
+  // CUDA (whose ops take device tensors only). Gradients, parameters and other device tensors
+  // travel here. Collective: every rank calls it. Its flight dumps go to <run_dir>/flight.
   comm::Group& world_group() const;
+  // The control group: all ranks, always Gloo (CPU tensors), created on first use over
+  // store() as a second group named "control", on CPU too. Host-side scalars and agreement
+  // travel here (the Trainer's loss and stop flag, evaluation sums, DataParallel's
+  // construction checks), never queued behind gradient buckets and legal beside NCCL.
+  // Collective: every rank calls it. Its flight dumps go to <run_dir>/flight/control.
+  comm::Group& control_group() const;
   // Under `loom run`: what the heartbeat (a background thread, once a second) reports to the
   // coordinator for dashboards and hang detection. Thread-safe; a no-op otherwise.
   void report_progress(int64_t step, double throughput,

@@ -108,10 +108,12 @@ class GradientReadyHook final : public torch::autograd::FunctionPostHook {
 struct DataParallel::Impl {
   // Constant after construction.
   std::shared_ptr<torch::nn::Module> module;
-  comm::Group& group;
+  comm::Group& group;    // the parameters' and gradients' tensors (NCCL on CUDA)
+  comm::Group* control;  // host bytes of the construction checks; null = `group`
   DataParallelOptions options;
   int rank = 0;
   int world = 1;
+  at::Device device{at::kCPU};  // every parameter's, so every buffer's
   std::vector<Param> params;
   std::vector<Bucket> buckets;
 
@@ -124,8 +126,13 @@ struct DataParallel::Impl {
   std::unique_ptr<optim::FlatOptimizer> optimizer;
   int64_t steps = 0;
 
-  Impl(std::shared_ptr<torch::nn::Module> m, comm::Group& g, const DataParallelOptions& o)
-      : module(std::move(m)), group(g), options(o), rank(g.rank()), world(g.size()) {}
+  Impl(std::shared_ptr<torch::nn::Module> m, comm::Group& g, comm::Group* c,
+       const DataParallelOptions& o)
+      : module(std::move(m)), group(g), control(c), options(o), rank(g.rank()), world(g.size()) {}
+
+  at::TensorOptions on_device(at::ScalarType dtype) const {
+    return at::TensorOptions().dtype(dtype).device(device);
+  }
 
   milliseconds remaining(Clock::time_point deadline) const {
     return std::max(milliseconds(1),
@@ -145,13 +152,29 @@ struct DataParallel::Impl {
 
   // --- construction -------------------------------------------------------------------------
 
+  // Every parameter (and buffer, which is broadcast with them) on one device: the first
+  // parameter's. Buffers are the parameters' device, so the groups' device rules hold for all.
+  void check_device(const std::string& kind, const std::string& name, const at::Tensor& t,
+                    const std::string& first) const {
+    LOOM_CHECK(t.device() == device, InvalidArgument, "DataParallel: ", kind, " '", name,
+               "' is on ", t.device().str(), " but parameter '", first, "' is on ", device.str(),
+               "; move the whole module to one device (module->to(device)) before building "
+               "DataParallel");
+  }
+
   void collect_parameters() {
     std::unordered_set<const void*> seen;  // a parameter shared by two modules counts once
+    std::string first;
     for (const auto& item : module->named_parameters(/*recurse=*/true)) {
       const at::Tensor& t = item.value();
       if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
-      LOOM_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, InvalidArgument,
-                 "DataParallel: parameter '", item.key(), "' must be a dense CPU tensor");
+      LOOM_CHECK(t.layout() == at::kStrided, InvalidArgument, "DataParallel: parameter '",
+                 item.key(), "' must be a dense (strided) tensor");
+      if (first.empty()) {
+        first = item.key();
+        device = t.device();
+      }
+      check_device("parameter", item.key(), t, first);
       Param p;
       p.name = item.key();
       p.tensor = t;
@@ -159,20 +182,30 @@ struct DataParallel::Impl {
       p.shape = t.sizes().vec();
       params.push_back(std::move(p));
     }
+    for (const auto& item : module->named_buffers(/*recurse=*/true)) {
+      if (!first.empty()) check_device("buffer", item.key(), item.value(), first);
+    }
   }
 
-  // Every rank compares every rank's signature with rank 0's, so all ranks throw alike.
+  // Every rank compares every rank's signature with rank 0's, so all ranks throw alike. The
+  // bytes go over the control group as CPU tensors, or, without one, over the tensor group on
+  // the parameters' device (construction only; the host reads them back).
   void check_same_parameters(milliseconds timeout) {
+    comm::Group& checks = control != nullptr ? *control : group;
+    const at::Device where = control != nullptr ? at::Device(at::kCPU) : device;
     std::string mine;
     for (const Param& p : params) mine += signature_line(p.name, p.tensor) + "\n";
-    at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-    at::Tensor lengths = at::empty({world}, at::kLong);
-    group.all_gather(lengths, length, {timeout})->wait(timeout);
+    at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(where);
+    at::Tensor lengths = at::empty({world}, at::TensorOptions(at::kLong).device(where));
+    checks.all_gather(lengths, length, {timeout})->wait(timeout);
+    lengths = lengths.cpu();
     const int64_t max_length = lengths.max().item<int64_t>();
     at::Tensor bytes = at::zeros({max_length}, at::kByte);
     std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-    at::Tensor all = at::empty({world * max_length}, at::kByte);
-    group.all_gather(all, bytes, {timeout})->wait(timeout);
+    bytes = bytes.to(where);
+    at::Tensor all = at::empty({world * max_length}, at::TensorOptions(at::kByte).device(where));
+    checks.all_gather(all, bytes, {timeout})->wait(timeout);
+    all = all.cpu();
     auto text_of = [&](int r) {
       const char* base = static_cast<const char*>(all.data_ptr()) + r * max_length;
       return split_lines(std::string(base, lengths[r].item<int64_t>()));
@@ -228,8 +261,8 @@ struct DataParallel::Impl {
   void move_into_buckets() {
     torch::NoGradGuard no_grad;
     for (Bucket& bucket : buckets) {
-      bucket.data = at::zeros({bucket.padded}, at::TensorOptions().dtype(bucket.dtype));
-      bucket.grad = at::zeros({bucket.padded}, at::TensorOptions().dtype(bucket.dtype));
+      bucket.data = at::zeros({bucket.padded}, on_device(bucket.dtype));
+      bucket.grad = at::zeros({bucket.padded}, on_device(bucket.dtype));
       if (options.zero_stage == ZeroStage::kTwo) {
         bucket.grad_shard = at::zeros({bucket.shard_size()}, bucket.grad.options());
       }
@@ -383,20 +416,23 @@ struct DataParallel::Impl {
   double clip_grad_norm(double max_norm) {
     torch::NoGradGuard no_grad;
     // Each rank sums the squares of a disjoint slice (the ZeRO slice even when gradients are
-    // replicated), then one all-reduce gives the global sum.
-    double local = 0;
+    // replicated), then one all-reduce gives the global sum. It all stays on the parameters'
+    // device: a float norm per slice (no double copy of the gradients), squared and summed in
+    // double in bucket order (the same arithmetic as on the host, so bitwise what it was).
+    at::Tensor total = at::zeros({1}, on_device(at::kDouble));
     for (Bucket& bucket : buckets) {
       const int64_t chunk = bucket.padded / world;
       at::Tensor slice = options.zero_stage == ZeroStage::kTwo
                              ? bucket.grad_shard
                              : bucket.grad.narrow(0, rank * chunk, chunk);
-      // A float norm per slice (no double copy of the gradients), squared and summed in double.
-      const double n =
-          at::linalg_vector_norm(slice, 2, c10::nullopt, false, at::kFloat).item<double>();
-      local += n * n;
+      const at::Tensor n =
+          at::linalg_vector_norm(slice, 2, c10::nullopt, false, at::kFloat).to(at::kDouble);
+      total.add_(n * n);
     }
-    at::Tensor total = at::full({1}, local, at::kDouble);
     group.all_reduce(total, {comm::ReduceOp::kSum, options.timeout})->wait(options.timeout);
+    // The one host read of clipping, and unavoidable: the caller gets the norm (to log it and
+    // to decide about a non-finite one) and the coefficient is computed from it as torch does.
+    // On CUDA it waits for the all-reduce, which finish_gradient_sync has already waited for.
     const double norm = std::sqrt(total.item<double>());
     // As torch::nn::utils::clip_grad_norm_: the coefficient in the gradients' dtype.
     const double coefficient = std::min(
@@ -473,7 +509,7 @@ struct DataParallel::Impl {
     for (Bucket& bucket : buckets) {
       bucket.state.clear();
       for (size_t i = 0; i < optimizer->state_names().size(); ++i) {
-        bucket.state.push_back(at::zeros({bucket.shard_size()}, at::kFloat));
+        bucket.state.push_back(at::zeros({bucket.shard_size()}, on_device(at::kFloat)));
       }
     }
   }
@@ -585,10 +621,23 @@ void DataParallel::Impl::install_hooks() {
 }
 
 DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group,
-                           const DataParallelOptions& options) {
+                           const DataParallelOptions& options)
+    : DataParallel(std::move(module), group, nullptr, options) {}
+
+DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group,
+                           comm::Group& control, const DataParallelOptions& options)
+    : DataParallel(std::move(module), group, &control, options) {}
+
+DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group,
+                           comm::Group* control, const DataParallelOptions& options) {
   LOOM_CHECK(module != nullptr, InvalidArgument, "DataParallel: module is null");
   LOOM_CHECK(options.bucket_bytes > 0, InvalidArgument, "DataParallel: bucket_bytes must be > 0");
-  impl_ = std::make_unique<Impl>(std::move(module), group, options);
+  LOOM_CHECK(
+      control == nullptr || (control->rank() == group.rank() && control->size() == group.size()),
+      InvalidArgument, "DataParallel: the control group '", control->name(), "' is rank ",
+      control->rank(), " of ", control->size(), " but the group '", group.name(), "' is rank ",
+      group.rank(), " of ", group.size(), "; they must have the same ranks");
+  impl_ = std::make_unique<Impl>(std::move(module), group, control, options);
   impl_->collect_parameters();
   impl_->check_same_parameters(options.timeout);
   impl_->build_buckets();
@@ -626,6 +675,13 @@ void DataParallel::zero_grad() {
 }
 
 double DataParallel::clip_grad_norm(double max_norm) { return impl_->clip_grad_norm(max_norm); }
+
+void DataParallel::scale_gradients(double factor) {
+  torch::NoGradGuard no_grad;
+  for (Bucket& bucket : impl_->buckets) {
+    (impl_->options.zero_stage == ZeroStage::kTwo ? bucket.grad_shard : bucket.grad).mul_(factor);
+  }
+}
 
 void DataParallel::set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer) {
   LOOM_CHECK(optimizer != nullptr, InvalidArgument, "DataParallel::set_optimizer: null");

@@ -88,6 +88,11 @@ ConfigSchema TrainOptions::schema() {
   s.add("train.resume", true, "resume from the newest committed checkpoint in <run.dir>/ckpt");
   s.add("train.resume_strict", true,
         "resuming, a saved tensor or blob the model does not have is an error (false: warn)");
+  s.add("train.loss_scaling", false,
+        "dynamic loss scaling (for fp16 parameters): skip and halve on overflow");
+  s.add("train.loss_scale", 65536.0, "initial loss scale (with train.loss_scaling)");
+  s.add("train.loss_scale_growth_interval", int64_t{2000},
+        "steps without overflow before the loss scale doubles");
   return s;
 }
 
@@ -118,6 +123,9 @@ TrainOptions TrainOptions::from(const Config& c) {
   o.log_every = c.get<int64_t>("train.log_every");
   o.resume = c.get<bool>("train.resume");
   o.resume_strict = c.get<bool>("train.resume_strict");
+  o.loss_scaling.enabled = c.get<bool>("train.loss_scaling");
+  o.loss_scaling.init_scale = c.get<double>("train.loss_scale");
+  o.loss_scaling.growth_interval = c.get<int64_t>("train.loss_scale_growth_interval");
   return o;
 }
 
@@ -138,7 +146,9 @@ struct Trainer::Impl {
   ckpt::SaveHandle pending;  // the save in flight, if any
   int64_t step = 0;          // the next step's index = steps completed
   int64_t skipped = 0;
-  bool stop_agreed = false;  // some rank got SIGTERM/SIGINT before the last step's all-reduce
+  bool stop_agreed = false;      // some rank got SIGTERM/SIGINT before the last step's all-reduce
+  double loss_scale = 1;         // LossScaling: the current scale (1 without)
+  int64_t scale_good_steps = 0;  // steps since the last overflow or growth
 
   Impl(Runtime& r, parallel::DataParallel& d, data::Reader& rd, TrainOptions o, LossFn l,
        Callbacks c)
@@ -155,6 +165,14 @@ struct Trainer::Impl {
         InvalidArgument, "train.micro_batches (", options.micro_batches,
         ") must divide the per-rank batch size (", reader.options().batch_size, ")");
     LOOM_CHECK(loss_fn != nullptr, InvalidArgument, "the Trainer needs a loss function");
+    const LossScaling& ls = options.loss_scaling;
+    LOOM_CHECK(!ls.enabled || (ls.init_scale > 0 && ls.growth >= 1 && ls.backoff > 0 &&
+                               ls.backoff < 1 && ls.growth_interval >= 1),
+               InvalidArgument,
+               "loss scaling needs init_scale > 0, growth >= 1, 0 < backoff < 1 "
+               "and growth_interval >= 1; got ",
+               ls.init_scale, ", ", ls.growth, ", ", ls.backoff, ", ", ls.growth_interval);
+    loss_scale = ls.enabled ? ls.init_scale : 1.0;
   }
 
   void open_checkpointer() {
@@ -190,7 +208,10 @@ struct Trainer::Impl {
     state.add(
         "rng/cpu", rng_buffer.view({1, -1}),
         ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
-    state.blobs["trainer"] = json{{"step", step}, {"skipped_steps", skipped}}.dump();
+    json trainer{{"step", step}, {"skipped_steps", skipped}};
+    trainer["loss_scale"] = loss_scale;
+    trainer["loss_scale_good_steps"] = scale_good_steps;
+    state.blobs["trainer"] = trainer.dump();
     state.blobs["reader"] = reader.state().to_json();
     state.blobs["config"] = json(rt.config().to_toml()).dump();
     return state;
@@ -219,6 +240,10 @@ struct Trainer::Impl {
     dp.load_state(state);
     const json trainer = json::parse(state.blobs.at("trainer"));
     step = trainer.at("step").get<int64_t>();
+    if (options.loss_scaling.enabled && trainer.contains("loss_scale")) {
+      loss_scale = trainer.at("loss_scale").get<double>();
+      scale_good_steps = trainer.at("loss_scale_good_steps").get<int64_t>();
+    }
     reader.restore(data::SamplerState::from_json(state.blobs.at("reader")));
     if (same_world) {
       at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle to the global one
@@ -269,6 +294,25 @@ struct Trainer::Impl {
     return "(none on this rank)";
   }
 
+  // LossScaling after a step's norm: an overflow skips the step and backs the scale off; a run
+  // of good steps grows it. Every rank sees the same (all-reduced) norm, so all agree.
+  void update_loss_scale(StepInfo& info) {
+    const LossScaling& ls = options.loss_scaling;
+    if (!std::isfinite(info.grad_norm)) {
+      info.skipped = true;
+      ++skipped;
+      loss_scale *= ls.backoff;
+      scale_good_steps = 0;
+      rt.log().warn("step {}: gradients overflowed at loss scale {}; step skipped, scale now {}",
+                    step, info.loss_scale, loss_scale);
+      return;
+    }
+    if (++scale_good_steps >= ls.growth_interval) {
+      loss_scale *= ls.growth;
+      scale_good_steps = 0;
+    }
+  }
+
   // One step; returns what on_step_end sees.
   StepInfo run_step() {
     metrics::StepTimer& timer = metrics->timer();
@@ -280,7 +324,7 @@ struct Trainer::Impl {
       auto phase = timer.phase(Phase::kDataWait);
       batch = reader.next();
     }
-    double loss_sum = 0;
+    at::Tensor loss_sum;  // this rank's micro-batch losses, summed in double on their device
     int64_t tokens = 0, samples = 0;
     dp.zero_grad();
     {
@@ -288,8 +332,13 @@ struct Trainer::Impl {
       for (int64_t m = 0; m < options.micro_batches; ++m) {
         dp.set_sync(m + 1 == options.micro_batches);
         MicroStep micro = loss_fn(micro_batch(batch, m, options.micro_batches));
-        (micro.loss / static_cast<double>(options.micro_batches)).backward();
-        loss_sum += micro.loss.item<double>();
+        if (options.loss_scaling.enabled) {
+          (micro.loss * (loss_scale / static_cast<double>(options.micro_batches))).backward();
+        } else {
+          (micro.loss / static_cast<double>(options.micro_batches)).backward();
+        }
+        const at::Tensor loss = micro.loss.detach().to(at::kDouble);
+        loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
         tokens += micro.tokens;
         samples += micro.samples;
       }
@@ -298,14 +347,20 @@ struct Trainer::Impl {
       auto phase = timer.phase(Phase::kCommWait);
       dp.finish_gradient_sync();
     }
-    info.local_loss = loss_sum / static_cast<double>(options.micro_batches);
+    info.loss_scale = loss_scale;
     {
       auto phase = timer.phase(Phase::kOptimizer);
+      if (options.loss_scaling.enabled) dp.scale_gradients(1.0 / loss_scale);
       info.grad_norm = dp.clip_grad_norm(
           options.grad_clip > 0 ? options.grad_clip : std::numeric_limits<double>::infinity());
       info.lr = (*options.schedule)(step);
     }
-    if (!std::isfinite(info.grad_norm)) {
+    // The loss's one host read of the step, after the norm's: on a GPU the device has then run
+    // backward already, so the read costs a copy, not a wait.
+    info.local_loss = loss_sum.item<double>() / static_cast<double>(options.micro_batches);
+    if (options.loss_scaling.enabled) {
+      update_loss_scale(info);
+    } else if (!std::isfinite(info.grad_norm)) {
       LOOM_CHECK(options.on_non_finite == NonFinite::kSkip, Error, "step ", step,
                  ": the gradient norm is ", info.grad_norm, "; first non-finite gradient on rank ",
                  rt.rank(), ": ", first_non_finite_parameter(),
@@ -324,11 +379,11 @@ struct Trainer::Impl {
       dp.optimizer().set_lr(info.lr);
       dp.step();
     }
-    // One small all-reduce: the loss sum, and whether any rank was asked to stop (so that
-    // every rank stops after the same step).
+    // One small all-reduce on the control group (host scalars, never the tensor group): the
+    // loss sum, and whether any rank was asked to stop (so every rank stops after the same step).
     at::Tensor sums =
         at::tensor({info.local_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0}, at::kDouble);
-    rt.world_group().all_reduce(sums)->wait();
+    rt.control_group().all_reduce(sums)->wait();
     info.loss = sums[0].item<double>() / rt.world_size();
     stop_agreed = sums[1].item<double>() > 0;
     const metrics::StepMetrics logged =

@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
     TinyLm model(static_cast<int64_t>(reader->manifest().vocab_size), 32,
                  cfg.get<bool>("probe.hidden_bias"));
     loom::parallel::DataParallel dp(
-        model.ptr(), rt.world_group(),
+        model.ptr(), rt.world_group(), rt.control_group(),
         {.bucket_bytes = 4096, .zero_stage = stage_of(cfg.get<std::string>("probe.mode"))});
     dp.set_optimizer(std::make_unique<loom::optim::AdamW>(
         loom::optim::AdamWOptions{.lr = cfg.get<double>("probe.optimizer_lr")}));

@@ -84,8 +84,14 @@ class DataParallel {
  public:
   // Collective. Checks that every rank has the same parameter names, shapes and dtypes
   // (InvalidArgument naming the first mismatch and the rank), then broadcasts rank 0's
-  // parameters and buffers. Throws Timeout/CommError from the group.
+  // parameters and buffers. Throws Timeout/CommError from the group. The checks' bytes travel
+  // over `group` on the parameters' device.
   DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group,
+               const DataParallelOptions& options = {});
+  // The same, with the construction checks (host bytes) over `control`, a group of CPU
+  // tensors with the same ranks (Runtime::control_group()); `group` then carries only the
+  // parameters' and gradients' tensors. Both groups must outlive the DataParallel.
+  DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group, comm::Group& control,
                const DataParallelOptions& options = {});
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;
@@ -128,6 +134,11 @@ class DataParallel {
   // all-reduced. Returns the norm before clipping. Collective; after finish_gradient_sync.
   double clip_grad_norm(double max_norm);
 
+  // Multiplies the reduced gradients (this rank's slices for kTwo) by `factor`: unscaling after
+  // loss scaling (factor = 1 / scale). On the parameters' device, no host read. After
+  // finish_gradient_sync, before clip_grad_norm and step.
+  void scale_gradients(double factor);
+
   // The optimizer step() uses. Required before step().
   void set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer);
   optim::FlatOptimizer& optimizer() const;
@@ -156,6 +167,9 @@ class DataParallel {
   std::vector<std::string> bucket_parameters(int b) const;
 
  private:
+  DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group, comm::Group* control,
+               const DataParallelOptions& options);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -43,6 +43,21 @@ enum class NonFinite {
   kSkip,  // skip the optimizer step (no update), count it, log a warning, go on
 };
 
+// Dynamic loss scaling, for fp16 parameters (whose small gradients underflow without it), as
+// torch.cuda.amp.GradScaler does it: each micro-batch's loss is multiplied by the scale before
+// backward and the reduced gradients divided by it before clipping. A step whose gradient norm
+// is not finite (an overflow) is skipped, whatever on_non_finite says, and the scale multiplied
+// by `backoff`; after `growth_interval` steps in a row without overflow it is multiplied by
+// `growth`. The scale and that count are checkpointed (the "trainer" blob). Powers of two keep
+// scaling and unscaling exact, so without overflow the step equals an unscaled one bitwise.
+struct LossScaling {
+  bool enabled = false;
+  double init_scale = 65536.0;  // 2^16, GradScaler's default
+  double growth = 2.0;
+  double backoff = 0.5;
+  int64_t growth_interval = 2000;
+};
+
 struct TrainOptions {
   int64_t steps = 1000;       // optimizer steps of the whole run (a resumed run counts on)
   int64_t micro_batches = 1;  // gradient accumulation: each rank's batch is split in this many
@@ -56,6 +71,7 @@ struct TrainOptions {
   int keep_last = 3;             // committed checkpoints kept (plus none kept by step)
   bool overlap_checkpoint_copy = true;  // copy the state during the next step's compute
   NonFinite on_non_finite = NonFinite::kStop;
+  LossScaling loss_scaling;    // off by default; for fp16 parameters
   int64_t log_every = 10;      // a metrics log line every this many steps (without a TTY)
   double flops_per_token = 0;  // the model's training FLOPs per token, for MFU; 0 = no MFU
   bool resume = true;          // resume from the newest committed checkpoint
@@ -90,8 +106,9 @@ struct StepInfo {
   double loss = 0;        // the mean over every rank's micro-batches
   double local_loss = 0;  // this rank's mean (bitwise reproducible on this rank)
   double lr = 0;
-  double grad_norm = 0;  // before clipping
-  bool skipped = false;  // not applied: the gradient norm was not finite (NonFinite::kSkip)
+  double grad_norm = 0;   // before clipping (after unscaling)
+  bool skipped = false;   // not applied: the gradient norm was not finite (kSkip, or an overflow)
+  double loss_scale = 1;  // the scale this step's backward used (1 without loss scaling)
 };
 
 struct Callbacks {
@@ -102,13 +119,15 @@ struct Callbacks {
 struct FitResult {
   int64_t start_step = 0;          // where this run began (> 0 when it resumed)
   int64_t steps_done = 0;          // steps completed in total (the next step's index)
-  int64_t skipped_steps = 0;       // in this run, NonFinite::kSkip
+  int64_t skipped_steps = 0;       // in this run: NonFinite::kSkip and loss-scale overflows
   bool stopped_by_signal = false;  // SIGTERM/SIGINT: the step finished and a checkpoint was saved
   double last_loss = 0;
 };
 
 // Not copyable. Every rank builds one with the same options and calls fit(). The Runtime,
-// DataParallel and Reader must outlive it; fit() uses rt.store() and rt.world_group().
+// DataParallel and Reader must outlive it. fit() uses rt.store() (checkpoint agreement) and
+// rt.control_group() (the per-step loss and stop flag, CPU tensors); it sends nothing to
+// rt.world_group() itself: only the DataParallel's buckets and gathers travel there.
 class Trainer {
  public:
   Trainer(Runtime& rt, parallel::DataParallel& dp, data::Reader& reader, TrainOptions options,

@@ -14,6 +14,7 @@
 
 #include "harness/harness.h"
 #include "loom/ckpt/state.h"
+#include "loom/comm/flight_recorder.h"
 #include "loom/comm/gloo.h"
 #include "loom/error.h"
 #include "unit/parallel/equivalence.h"
@@ -70,6 +71,53 @@ TEST(DataParallel, MismatchedModelsAreAnErrorNamingRankAndParameter) {
     EXPECT_NE(message.find("fc1.weight|Float|[12, 8]"), std::string::npos) << message;
   });
   expect_all_ok(outcomes);
+}
+
+// The same checks over a separate control group (Runtime::control_group()): the tensor group
+// then carries only the parameter broadcasts.
+TEST(DataParallel, ConstructionChecksTravelOverTheControlGroup) {
+  const auto outcomes = run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    comm::GlooOptions control_options;
+    control_options.name = "control";
+    auto control = comm::new_gloo_group(r.store, r.rank, r.world, control_options);
+    auto model = std::make_shared<Mlp>(r.rank == 0 ? 16 : 12);
+    const std::string message = loom::testing::error_of<InvalidArgument>(
+        [&] { DataParallel dp(model, *group, *control, {.timeout = std::chrono::seconds(20)}); });
+    EXPECT_NE(message.find("fc1.weight|Float|[12, 8]"), std::string::npos) << message;
+    EXPECT_EQ(group->flight_recorder().snapshot().size(), 0u);
+    const auto checks = control->flight_recorder().snapshot();
+    ASSERT_EQ(checks.size(), 2u);
+    EXPECT_EQ(checks[0].op, "all_gather");
+    EXPECT_EQ(checks[1].op, "all_gather");
+
+    DataParallel dp(make_model(), *group, *control, {.bucket_bytes = 1});
+    EXPECT_EQ(control->flight_recorder().snapshot().size(), 4u);
+    EXPECT_EQ(group->flight_recorder().snapshot().size(), 6u);  // one broadcast per bucket
+  });
+  expect_all_ok(outcomes);
+}
+
+// Parameters and buffers must share one device; the meta device stands in for a GPU here.
+TEST(DataParallel, ParametersOnTwoDevicesAreAnErrorNamingTheParameter) {
+  expect_all_ok(run_threads(1, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model();
+    model->register_parameter("elsewhere", at::zeros({3}, at::TensorOptions().device(at::kMeta)));
+    std::string message =
+        loom::testing::error_of<InvalidArgument>([&] { DataParallel dp(model, *group); });
+    // The module's own parameter comes first in named_parameters(): the others differ from it.
+    EXPECT_NE(message.find("parameter 'fc1.weight' is on cpu but parameter 'elsewhere' is on meta"),
+              std::string::npos)
+        << message;
+    auto buffered = make_model();
+    buffered->register_buffer("mask", at::zeros({3}, at::TensorOptions().device(at::kMeta)));
+    message = loom::testing::error_of<InvalidArgument>([&] { DataParallel dp(buffered, *group); });
+    EXPECT_NE(message.find("buffer 'mask' is on meta but parameter 'fc1.weight' is on cpu"),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(group->flight_recorder().snapshot().size(), 0u) << "checked before any collective";
+  }));
 }
 
 TEST(DataParallel, RankSkippingBackwardTimesOutNamingTheBucket) {
