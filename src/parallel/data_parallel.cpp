@@ -19,6 +19,7 @@
 
 #include "loom/ckpt/state.h"
 #include "loom/error.h"
+#include "parallel/sum_of_squares.h"
 
 namespace loom::parallel {
 
@@ -417,18 +418,18 @@ struct DataParallel::Impl {
     torch::NoGradGuard no_grad;
     // Each rank sums the squares of a disjoint slice (the ZeRO slice even when gradients are
     // replicated), then one all-reduce gives the global sum. It all stays on the parameters'
-    // device: a float norm per slice (no double copy of the gradients), squared and summed in
-    // double in bucket order (the same arithmetic as on the host, so bitwise what it was).
-    at::Tensor total = at::zeros({1}, on_device(at::kDouble));
+    // device: on the CPU a float norm per slice, squared and summed in double in bucket order
+    // (bitwise what it always was); on CUDA the fused multi-tensor kernel, one pass.
+    std::vector<at::Tensor> slices;
+    slices.reserve(buckets.size());
     for (Bucket& bucket : buckets) {
       const int64_t chunk = bucket.padded / world;
-      at::Tensor slice = options.zero_stage == ZeroStage::kTwo
-                             ? bucket.grad_shard
-                             : bucket.grad.narrow(0, rank * chunk, chunk);
-      const at::Tensor n =
-          at::linalg_vector_norm(slice, 2, c10::nullopt, false, at::kFloat).to(at::kDouble);
-      total.add_(n * n);
+      slices.push_back(options.zero_stage == ZeroStage::kTwo
+                           ? bucket.grad_shard
+                           : bucket.grad.narrow(0, rank * chunk, chunk));
     }
+    at::Tensor total = buckets.empty() ? at::zeros({1}, on_device(at::kDouble))
+                                       : optim::internal::sum_of_squares(slices);
     group.all_reduce(total, {comm::ReduceOp::kSum, options.timeout})->wait(options.timeout);
     // The one host read of clipping, and unavoidable: the caller gets the norm (to log it and
     // to decide about a non-finite one) and the coefficient is computed from it as torch does.
@@ -453,6 +454,10 @@ struct DataParallel::Impl {
   // large bucket). The arithmetic per element is unchanged, so results are bitwise the same.
   void update_in_chunks(const at::Tensor& params, const at::Tensor& grads,
                         std::vector<at::Tensor>& state) {
+    if (!params.is_cpu()) {  // a GPU's fused kernel takes the whole shard in one launch
+      optimizer->update(params, grads, state, steps);
+      return;
+    }
     constexpr int64_t kChunk = 64 * 1024;
     const int64_t n = params.numel();
     std::vector<at::Tensor> piece(state.size());
@@ -472,7 +477,12 @@ struct DataParallel::Impl {
       at::Tensor grad = reduced_grad_shard(bucket);
       if (grad.scalar_type() != at::kFloat) grad = grad.to(at::kFloat);
       at::Tensor slice = bucket.data.narrow(0, bucket.shard_begin, bucket.shard_size());
-      if (bucket.master.defined()) {
+      const auto* adamw = dynamic_cast<const optim::AdamW*>(optimizer.get());
+      if (bucket.master.defined() && slice.is_cuda() && adamw != nullptr &&
+          slice.scalar_type() == at::kBFloat16) {
+        // The fused kernel writes the bf16 parameters in the same pass as the fp32 masters.
+        adamw->update_with_bf16_copy(bucket.master, grad, bucket.state, steps, slice);
+      } else if (bucket.master.defined()) {
         update_in_chunks(bucket.master, grad, bucket.state);
         slice.copy_(bucket.master);
       } else if (bucket.dtype == at::kFloat) {
