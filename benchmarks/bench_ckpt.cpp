@@ -161,6 +161,7 @@ int run(const Settings& s) {
   loom::ckpt::State target;
   for (int i = 0; i < s.tensors; ++i)
     target.add(state.tensors[i].name, torch::zeros_like(tensors[i]));
+  target.blobs["trainer"] = "";  // read back like a trainer does (a strict load)
   // The raw baselines' buffer: the same bytes, 4 KiB aligned (for O_DIRECT), padded to 4 KiB.
   const size_t padded = (static_cast<size_t>(total) + 4095) / 4096 * 4096;
   std::unique_ptr<char, FreeDeleter> buffer(static_cast<char*>(std::aligned_alloc(4096, padded)));
