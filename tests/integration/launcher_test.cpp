@@ -287,7 +287,9 @@ TEST_F(Launcher, UnmodifiedPyTorchDdpProgramTrainsTwoRanks) {
     EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "0");
     EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], "ddp-test");
     EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "False");
-    if (std::getenv("OMP_NUM_THREADS") == nullptr) EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
+    if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+      EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
+    }
   }
 }
 
