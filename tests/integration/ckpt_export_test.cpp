@@ -14,6 +14,7 @@
 #include "loom/ckpt/checkpointer.h"
 #include "loom/ckpt/export.h"
 #include "loom/comm/store.h"
+#include "loom/error.h"
 #include "util/files.h"
 
 namespace loom {
