@@ -136,6 +136,25 @@ struct Master {
   int port = 0;
 };
 
+// "host:port" as node 0 published it; anything else is CorruptData naming the store key.
+Master parse_master(const std::string& key, const std::string& value) {
+  const auto colon = value.rfind(':');
+  int port = -1;
+  if (colon != std::string::npos && colon > 0) {
+    const std::string digits = value.substr(colon + 1);
+    size_t used = 0;
+    try {
+      port = std::stoi(digits, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != digits.size() || digits.empty()) port = -1;
+  }
+  LOOM_CHECK(port > 0 && port < 65536, CorruptData, "the coordinator's store holds '", value,
+             "' under ", key, "; expected MASTER_ADDR:MASTER_PORT (host:port)");
+  return {value.substr(0, colon), port};
+}
+
 class Agent {
  public:
   explicit Agent(const AgentOptions& options) : options_(options) {
@@ -232,9 +251,7 @@ class Agent {
     const auto deadline = Clock::now() + options_.rendezvous_timeout;
     for (;;) {
       try {
-        const std::string value = store_->get(key, milliseconds(1000));
-        const auto colon = value.rfind(':');
-        return {value.substr(0, colon), std::stoi(value.substr(colon + 1))};
+        return parse_master(key, store_->get(key, milliseconds(1000)));
       } catch (const Timeout&) {
         LOOM_CHECK(g_stop_signal.load() == 0, Error, "stopped by signal ", g_stop_signal.load(),
                    " while waiting for node 0's MASTER_ADDR:MASTER_PORT");

@@ -231,6 +231,25 @@ TEST_F(CkptExport, PythonSafetensorsImports) {
 
 // ---- bad input: CorruptData naming the file, exit 1, nothing committed ----
 
+// Files shaped like torch.save's that lie (a storage record shorter than its elements, a view
+// past its storage, a missing record), call something other than the tensor builders (the
+// pickle of os.system is refused, never run), or hold something else than a dict of tensors.
+TEST_F(CkptExport, HostileTorchFilesAreCorruptDataNamingTheFile) {
+  TempDir dir;
+  const json made = python(dir, "save-hostile-torch", dir.path());
+  ASSERT_EQ(made["expected"].size(), 7u) << made.dump();
+  for (const auto& [name, words] : made["expected"].items()) {
+    const fs::path file = dir / name;
+    auto run = run_loom(
+        dir, {"ckpt", "import", file.string(), (dir / "ckpt").string(), "--format", "torch"});
+    EXPECT_EQ(run.exit_code, 1) << name << ": " << run.output;
+    EXPECT_TRUE(contains(run.output, "CORRUPT: torch file " + file.string())) << run.output;
+    EXPECT_TRUE(contains(run.output, words.get<std::string>())) << name << ": " << run.output;
+    EXPECT_FALSE(contains(run.output, "pwned")) << run.output;
+  }
+  EXPECT_FALSE(fs::exists(dir / "ckpt" / "step_00000000"));
+}
+
 void write_bytes(const fs::path& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
 }

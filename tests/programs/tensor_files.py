@@ -7,13 +7,19 @@ and writer written here from the format's description (Debian packages no safete
   tensor_files.py dump-safetensors FILE OUT.json   the same for a safetensors file
   tensor_files.py save-torch FILE OUT.json         torch.save(a module's state_dict() + extras)
   tensor_files.py save-safetensors FILE OUT.json   the same tensors as safetensors
+  tensor_files.py save-hostile-torch DIR OUT.json  torch.save-like files Loom must refuse
 
 OUT.json: {"tensors": {name: {"dtype", "shape", "hex"}}, "metadata": {...}, "input_hex",
 "output_hex"}: for save-*, the module's output on a fixed input, to compare with Loom's.
 """
+import collections
+import io
 import json
+import os
+import pickle
 import struct
 import sys
+import zipfile
 
 import torch
 
@@ -79,6 +85,65 @@ def model_and_extras():
     return state, x, y
 
 
+class FakeStorage:
+    """A storage reference for a hand-made pickle: ('storage', torch.FloatStorage, key, ...)."""
+
+    def __init__(self, key, numel):
+        self.key, self.numel = key, numel
+
+
+class FakeTensor:
+    def __init__(self, storage, offset, size, stride):
+        self.args = (storage, offset, size, stride, False, collections.OrderedDict())
+
+    def __reduce__(self):
+        return (torch._utils._rebuild_tensor_v2, self.args)
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def hostile_archive(path, obj, records):
+    """A zip laid out like torch.save's, with data.pkl pickling obj (protocol 2)."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=2)
+    pickler.persistent_id = lambda o: (
+        ("storage", torch.FloatStorage, o.key, "cpu", o.numel)
+        if isinstance(o, FakeStorage) else None)
+    pickler.dump(obj)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", buffer.getvalue())
+        for key, data in records.items():
+            z.writestr("archive/data/" + key, data)
+        z.writestr("archive/version", "3\n")
+
+
+def save_hostile(directory):
+    """Each file and the words Loom's refusal must contain."""
+    cases = {
+        "storage_short.pt": ({"w": FakeTensor(FakeStorage("0", 100), 0, (100,), (1,))},
+                             {"0": b"\0" * 8}, "fewer than its 100 elements"),
+        "view_outside.pt": ({"w": FakeTensor(FakeStorage("0", 2), 0, (4,), (1,))},
+                            {"0": b"\0" * 8}, "reaches outside its storage of 2 elements"),
+        "missing_record.pt": ({"w": FakeTensor(FakeStorage("7", 2), 0, (2,), (1,))},
+                              {"0": b"\0" * 8}, "no record data/7"),
+        "callable.pt": ({"w": Evil()}, {}, "builds a posix.system"),
+    }
+    expected = {}
+    for name, (obj, records, words) in cases.items():
+        hostile_archive(os.path.join(directory, name), obj, records)
+        expected[name] = words
+    torch.save({"n": 1}, os.path.join(directory, "not_a_tensor.pt"))
+    expected["not_a_tensor.pt"] = 'entry "n" is not a tensor'
+    torch.save({"model": {"w": torch.ones(2)}}, os.path.join(directory, "nested.pt"))
+    expected["nested.pt"] = 'entry "model" is not a tensor'
+    torch.save([torch.ones(2)], os.path.join(directory, "list.pt"))
+    expected["list.pt"] = "does not hold a dict"
+    return expected
+
+
 def main():
     command, path, out = sys.argv[1:4]
     record = {}
@@ -89,6 +154,8 @@ def main():
         record["type"] = type(loaded).__name__
     elif command == "dump-safetensors":
         record["tensors"], record["metadata"] = read_safetensors(path)
+    elif command == "save-hostile-torch":
+        record["expected"] = save_hostile(path)
     elif command in ("save-torch", "save-safetensors"):
         state, x, y = model_and_extras()
         if command == "save-torch":
