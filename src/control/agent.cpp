@@ -20,6 +20,7 @@
 
 #include "control/client.h"
 #include "loom/control/coordinator.h"
+#include "loom/control/store.h"
 #include "loom/error.h"
 #include "util/fd.h"
 #include "util/subprocess.h"
@@ -112,6 +113,48 @@ std::string advertise_address(const std::string& coordinator) {
   return address;
 }
 
+// A TCP port free on every interface now (bound to port 0, read, released): where rank 0's
+// c10d TCPStore will listen. Another process could take it before rank 0 binds it; torchrun
+// picks MASTER_PORT the same way.
+int free_tcp_port() {
+  util::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  LOOM_CHECK_SYS(fd.get(), "creating a socket to pick MASTER_PORT");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  LOOM_CHECK_SYS(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr),
+                 "binding a socket to pick MASTER_PORT");
+  socklen_t len = sizeof addr;
+  LOOM_CHECK_SYS(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len),
+                 "reading the port picked for MASTER_PORT");
+  return ntohs(addr.sin_port);
+}
+
+// torchrun's MASTER_ADDR and MASTER_PORT for one generation.
+struct Master {
+  std::string addr;
+  int port = 0;
+};
+
+// "host:port" as node 0 published it; anything else is CorruptData naming the store key.
+Master parse_master(const std::string& key, const std::string& value) {
+  const auto colon = value.rfind(':');
+  int port = -1;
+  if (colon != std::string::npos && colon > 0) {
+    const std::string digits = value.substr(colon + 1);
+    size_t used = 0;
+    try {
+      port = std::stoi(digits, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != digits.size() || digits.empty()) port = -1;
+  }
+  LOOM_CHECK(port > 0 && port < 65536, CorruptData, "the coordinator's store holds '", value,
+             "' under ", key, "; expected MASTER_ADDR:MASTER_PORT (host:port)");
+  return {value.substr(0, colon), port};
+}
+
 class Agent {
  public:
   explicit Agent(const AgentOptions& options) : options_(options) {
@@ -141,6 +184,7 @@ class Agent {
       address_ = options.coordinator;
     }
     client_ = std::make_unique<CoordinatorClient>(address_, options.token, milliseconds(10000));
+    store_ = std::make_unique<CoordinatorStore>(address_, options.token, milliseconds(10000));
     advertise_ = advertise_address(address_);
     std::filesystem::create_directories(options.run_dir / "logs");
   }
@@ -192,42 +236,87 @@ class Agent {
     }
   }
 
-  std::map<std::string, std::string> worker_env(const v1::JoinReply& round, int local_rank) const {
+  // The generation's MASTER_ADDR:MASTER_PORT. Node 0 (it runs global rank 0) picks a free port
+  // on its own address and publishes both in the coordinator's store under a key of this
+  // generation; the other nodes read them there, so every worker of a generation gets the
+  // same endpoint. Nothing listens there until rank 0's process creates the TCPStore
+  // (init_process_group's env:// does, with TORCHELASTIC_USE_AGENT_STORE=False).
+  Master publish_master(const v1::JoinReply& round) {
+    const std::string key = detail::concat("loom/torchrun/generation_", round.generation());
+    if (round.node_rank() == 0) {
+      Master m{advertise_, free_tcp_port()};
+      store_->set(key, detail::concat(m.addr, ":", m.port));
+      return m;
+    }
+    const auto deadline = Clock::now() + options_.rendezvous_timeout;
+    for (;;) {
+      try {
+        return parse_master(key, store_->get(key, milliseconds(1000)));
+      } catch (const Timeout&) {
+        LOOM_CHECK(g_stop_signal.load() == 0, Error, "stopped by signal ", g_stop_signal.load(),
+                   " while waiting for node 0's MASTER_ADDR:MASTER_PORT");
+        LOOM_CHECK(Clock::now() < deadline, Timeout,
+                   "node 0 did not publish MASTER_ADDR:MASTER_PORT of generation ",
+                   round.generation(), " within ", options_.rendezvous_timeout.count(), " ms");
+      }
+    }
+  }
+
+  std::map<std::string, std::string> worker_env(const v1::JoinReply& round, const Master& master,
+                                                int local_rank) const {
     const int rank = round.rank_offset() + local_rank;
     const auto s = [](auto v) { return std::to_string(v); };
-    return {{"LOOM_RANK", s(rank)},
-            {"LOOM_WORLD_SIZE", s(round.world_size())},
-            {"LOOM_LOCAL_RANK", s(local_rank)},
-            {"LOOM_LOCAL_WORLD_SIZE", s(options_.nproc_per_node)},
-            {"LOOM_NODE_RANK", s(round.node_rank())},
-            {"LOOM_NNODES", s(round.nnodes())},
-            {"LOOM_COORDINATOR", address_},
-            {"LOOM_GENERATION", s(round.generation())},
-            {"LOOM_RESTART_COUNT", s(round.restarts())},
-            {"LOOM_JOB_TOKEN", options_.token},
-            {"LOOM_RUN_DIR", options_.run_dir.string()},
-            {"LOOM_ADVERTISE_ADDR", advertise_},
-            // torchrun's names, for programs written against them. MASTER_ADDR/MASTER_PORT are
-            // not set: they name a c10d TCPStore, and the coordinator speaks gRPC.
-            {"RANK", s(rank)},
-            {"WORLD_SIZE", s(round.world_size())},
-            {"LOCAL_RANK", s(local_rank)},
-            {"LOCAL_WORLD_SIZE", s(options_.nproc_per_node)},
-            {"GROUP_RANK", s(round.node_rank())},
-            {"TORCHELASTIC_RESTART_COUNT", s(round.restarts())}};
+    std::map<std::string, std::string> env = {
+        {"LOOM_RANK", s(rank)},
+        {"LOOM_WORLD_SIZE", s(round.world_size())},
+        {"LOOM_LOCAL_RANK", s(local_rank)},
+        {"LOOM_LOCAL_WORLD_SIZE", s(options_.nproc_per_node)},
+        {"LOOM_NODE_RANK", s(round.node_rank())},
+        {"LOOM_NNODES", s(round.nnodes())},
+        {"LOOM_COORDINATOR", address_},
+        {"LOOM_GENERATION", s(round.generation())},
+        {"LOOM_RESTART_COUNT", s(round.restarts())},
+        {"LOOM_JOB_TOKEN", options_.token},
+        {"LOOM_RUN_DIR", options_.run_dir.string()},
+        {"LOOM_ADVERTISE_ADDR", advertise_},
+        // torchrun's environment (torch/distributed/elastic/agent/server/
+        // local_elastic_agent.py), one role named "default": a PyTorch program's
+        // init_process_group() with env:// works unchanged. Not an agent store: rank 0
+        // hosts the TCPStore at MASTER_ADDR:MASTER_PORT (a fresh port per generation).
+        {"RANK", s(rank)},
+        {"WORLD_SIZE", s(round.world_size())},
+        {"LOCAL_RANK", s(local_rank)},
+        {"LOCAL_WORLD_SIZE", s(options_.nproc_per_node)},
+        {"GROUP_RANK", s(round.node_rank())},
+        {"GROUP_WORLD_SIZE", s(round.nnodes())},
+        {"ROLE_NAME", "default"},
+        {"ROLE_RANK", s(rank)},
+        {"ROLE_WORLD_SIZE", s(round.world_size())},
+        {"MASTER_ADDR", master.addr},
+        {"MASTER_PORT", s(master.port)},
+        {"TORCHELASTIC_RESTART_COUNT", s(round.restarts())},
+        {"TORCHELASTIC_MAX_RESTARTS", s(options_.max_restarts)},
+        {"TORCHELASTIC_RUN_ID", options_.run_id},
+        {"TORCHELASTIC_USE_AGENT_STORE", "False"}};
+    // torchrun's default: one OpenMP thread per worker when several share the node and the
+    // user chose nothing (each worker would otherwise start one thread per core).
+    if (std::getenv("OMP_NUM_THREADS") == nullptr && options_.nproc_per_node > 1)
+      env["OMP_NUM_THREADS"] = "1";
+    return env;
   }
 
   std::vector<Worker> spawn_workers(const v1::JoinReply& round) {
+    const Master master = publish_master(round);
     std::vector<Worker> workers;
     for (int local = 0; local < options_.nproc_per_node; ++local) {
       int fds[2];
       LOOM_CHECK_SYS(::pipe2(fds, O_CLOEXEC), "creating a pipe for a worker's output");
       util::UniqueFd write_end(fds[1]);
-      Worker w{
-          round.rank_offset() + local,
-          util::Subprocess::spawn(
-              {.argv = options_.program, .env = worker_env(round, local), .output_fd = fds[1]}),
-          fds[0]};
+      Worker w{round.rank_offset() + local,
+               util::Subprocess::spawn({.argv = options_.program,
+                                        .env = worker_env(round, master, local),
+                                        .output_fd = fds[1]}),
+               fds[0]};
       w.log.open(options_.run_dir / "logs" / detail::concat("worker_", w.rank, ".out"),
                  std::ios::app);
       w.log << "---- generation " << round.generation() << " ----\n";
@@ -360,6 +449,7 @@ class Agent {
   std::string advertise_;  // this node's address towards the coordinator, for the workers
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<CoordinatorClient> client_;
+  std::unique_ptr<CoordinatorStore> store_;  // MASTER_ADDR:MASTER_PORT per generation
   // Owned by the agent's thread.
   int64_t generation_ = 0;
   bool failure_reported_ = false;

@@ -23,6 +23,7 @@ struct AgentOptions {
   bool coordinator_public = false;  // allow listening beyond loopback (needs the token)
   std::string token;                // the job token; every RPC carries it
   int max_restarts = 0;             // failures tolerated before the job fails
+  std::string run_id = "none";      // TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
   std::filesystem::path run_dir = "runs/loom-run";
   std::chrono::milliseconds grace{std::chrono::seconds(10)};  // SIGTERM -> SIGKILL
   std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(120)};

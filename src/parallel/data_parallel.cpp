@@ -619,6 +619,15 @@ struct DataParallel::Impl {
   }
 };
 
+void DataParallel::parameters_changed() {
+  torch::NoGradGuard no_grad;
+  for (Bucket& bucket : impl_->buckets) {
+    if (bucket.master.defined()) {
+      bucket.master.copy_(bucket.data.narrow(0, bucket.shard_begin, bucket.shard_size()));
+    }
+  }
+}
+
 void DataParallel::Impl::install_hooks() {
   for (int i = 0; i < static_cast<int>(params.size()); ++i) {
     Param& p = params[i];

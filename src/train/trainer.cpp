@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "loom/ckpt/checkpointer.h"
+#include "loom/ckpt/export.h"
 #include "loom/comm/group.h"
 #include "loom/data/reader.h"
 #include "loom/error.h"
@@ -93,6 +94,9 @@ ConfigSchema TrainOptions::schema() {
   s.add("train.loss_scale", 65536.0, "initial loss scale (with train.loss_scaling)");
   s.add("train.loss_scale_growth_interval", int64_t{2000},
         "steps without overflow before the loss scale doubles");
+  s.add("train.init_from", "",
+        "with nothing to resume: a checkpoint directory (e.g. from `loom ckpt import`) whose "
+        "newest step's model weights start the run");
   return s;
 }
 
@@ -126,6 +130,7 @@ TrainOptions TrainOptions::from(const Config& c) {
   o.loss_scaling.enabled = c.get<bool>("train.loss_scaling");
   o.loss_scaling.init_scale = c.get<double>("train.loss_scale");
   o.loss_scaling.growth_interval = c.get<int64_t>("train.loss_scale_growth_interval");
+  o.init_from = c.get<std::string>("train.init_from");
   return o;
 }
 
@@ -258,6 +263,20 @@ struct Trainer::Impl {
     rt.log().info("resumed from checkpoint step {} ({}): continuing at step {}", loaded,
                   newest.path.string(), step);
     return true;
+  }
+
+  // train.init_from: the model's weights from the newest committed step there, loaded on every
+  // rank (each reads the same file), then the masters re-derived. Strict about the model.
+  void init_weights() {
+    std::vector<ckpt::NamedTensor> params;
+    for (const auto& p : dp.module().named_parameters()) params.push_back({p.key(), p.value()});
+    const int64_t loaded =
+        ckpt::load_model_weights(options.init_from, ckpt::Checkpointer::kLatest, params);
+    dp.parameters_changed();
+    rt.log().info(
+        "initialised the model's weights from {} (step {}); optimizer and data start "
+        "fresh",
+        options.init_from, loaded);
   }
 
   // Waits for the save in flight, if any, and reports it committed; raises its error.
@@ -410,7 +429,7 @@ struct Trainer::Impl {
     resolve_schedule();
     open_checkpointer();
     FitResult result;
-    resume();
+    if (!resume() && !options.init_from.empty()) init_weights();
     result.start_step = step;
     metrics->on_resume(step);
     while (step < options.steps) {

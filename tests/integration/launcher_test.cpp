@@ -210,6 +210,141 @@ TEST_F(Launcher, ElasticJobContinuesWhenANodeIsLost) {
   EXPECT_NE(node0.text().find("lost"), std::string::npos) << node0.text();
 }
 
+// ---- unmodified PyTorch programs (torchrun's environment, rank 0 hosting the TCPStore) ----
+
+const std::string kPython = "/usr/bin/python3";
+const std::string kTorchDdp = LOOM_SOURCE_DIR "/tests/programs/torch_ddp.py";
+
+bool python_has_torch() {
+  return fs::exists(kPython) && testing::run_program({kPython, "-c", "import torch.distributed"},
+                                                     fs::temp_directory_path())
+                                        .exit_code == 0;
+}
+
+Launch launch_python(const TempDir& dir, const std::string& name, std::vector<std::string> args,
+                     const std::vector<std::string>& script_args) {
+  std::vector<std::string> argv = {kLoom, "run", "--run-dir", (dir / "run").string()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  argv.insert(argv.end(), {"--", kPython, kTorchDdp, "--out", (dir / "ddp").string()});
+  argv.insert(argv.end(), script_args.begin(), script_args.end());
+  const fs::path output = dir / (name + ".out");
+  return {util::Subprocess::spawn({.argv = argv, .output = output}), output};
+}
+
+// The records torch_ddp.py wrote for a generation (gen<g>_rank<r>.json), once `count` exist.
+std::vector<json> wait_ddp(const TempDir& dir, int generation, int count,
+                           std::chrono::seconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    std::vector<json> found;
+    for (int r = 0; r < 8; ++r) {
+      const fs::path f =
+          dir / "ddp" /
+          ("gen" + std::to_string(generation) + "_rank" + std::to_string(r) + ".json");
+      if (fs::exists(f)) found.push_back(json::parse(util::read_file(f)));
+    }
+    if (static_cast<int>(found.size()) >= count || Clock::now() > deadline) return found;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+// Every rank of a world of `world` all-reduced 0..4 + 10 * rank, trained to the same
+// parameters (bit for bit: DDP all-reduces the gradients), and matches plain single-process
+// training on the whole batch up to summation order.
+void expect_ddp_world(const std::vector<json>& records, int world) {
+  ASSERT_EQ(static_cast<int>(records.size()), world);
+  for (const json& r : records) {
+    EXPECT_EQ(r["world"], world);
+    std::vector<double> expected;
+    for (int i = 0; i < 5; ++i) expected.push_back(world * i + 10.0 * world * (world - 1) / 2);
+    EXPECT_EQ(r["allreduce"].get<std::vector<double>>(), expected) << r.dump();
+    EXPECT_EQ(r["params_hex"], records[0]["params_hex"]) << "rank " << r["rank"];
+    EXPECT_LT(r["reference_max_abs_diff"].get<double>(), 1e-6) << r.dump();
+  }
+}
+
+TEST_F(Launcher, UnmodifiedPyTorchDdpProgramTrainsTwoRanks) {
+  if (!python_has_torch()) GTEST_SKIP() << kPython << " has no torch (apt install python3-torch)";
+  TempDir dir;
+  Launch job = launch_python(dir, "job", {"--nproc_per_node", "2", "--rdzv-id", "ddp-test"}, {});
+  ASSERT_EQ(finish(job, std::chrono::seconds(120)), 0) << job.text();
+  const auto records = wait_ddp(dir, 1, 2, std::chrono::seconds(1));
+  expect_ddp_world(records, 2);
+  for (const json& r : records) {
+    const json& env = r["env"];
+    const std::string rank = std::to_string(r["rank"].get<int>());
+    EXPECT_EQ(env["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(env["MASTER_PORT"], records[0]["env"]["MASTER_PORT"]);
+    EXPECT_EQ(env["RANK"], rank);
+    EXPECT_EQ(env["LOCAL_RANK"], rank);
+    EXPECT_EQ(env["ROLE_RANK"], rank);
+    for (const char* k : {"WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE"})
+      EXPECT_EQ(env[k], "2");
+    EXPECT_EQ(env["GROUP_RANK"], "0");
+    EXPECT_EQ(env["GROUP_WORLD_SIZE"], "1");
+    EXPECT_EQ(env["ROLE_NAME"], "default");
+    EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "0");
+    EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "0");
+    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], "ddp-test");
+    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "False");
+    if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+      EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
+    }
+  }
+}
+
+TEST_F(Launcher, PyTorchProgramWithAFailedRankRecoversUnderMaxRestarts) {
+  if (!python_has_torch()) GTEST_SKIP() << kPython << " has no torch (apt install python3-torch)";
+  TempDir dir;
+  Launch job = launch_python(dir, "job", {"--nproc-per-node", "2", "--max_restarts", "1"},
+                             {"--fail-rank", "1"});
+  ASSERT_EQ(finish(job, std::chrono::seconds(180)), 0) << job.text();
+  EXPECT_TRUE(wait_ddp(dir, 1, 1, std::chrono::seconds(0)).size() <= 1u)
+      << "rank 1 failed in generation 1";
+  EXPECT_FALSE(fs::exists(dir / "ddp" / "gen1_rank1.json"));
+  const auto records = wait_ddp(dir, 2, 2, std::chrono::seconds(1));
+  expect_ddp_world(records, 2);
+  for (const json& r : records) {
+    EXPECT_EQ(r["env"]["TORCHELASTIC_RESTART_COUNT"], "1");
+    EXPECT_EQ(r["env"]["TORCHELASTIC_MAX_RESTARTS"], "1");
+  }
+  EXPECT_NE(job.text().find("[rank 1] rank 1: failing on purpose"), std::string::npos)
+      << job.text();
+  // Rank 0 then fails too (its peer closed the connection); the agent may see either first.
+  EXPECT_NE(job.text().find("exited with code 1; restart 1 of 1"), std::string::npos) << job.text();
+}
+
+TEST_F(Launcher, ElasticPyTorchProgramContinuesWhenANodeIsLost) {
+  if (!python_has_torch()) GTEST_SKIP() << kPython << " has no torch (apt install python3-torch)";
+  TempDir dir;
+  const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
+  auto args = [&](int node) {
+    return std::vector<std::string>{"--nnodes",         "1:2",
+                                    "--nproc-per-node", "1",
+                                    "--rdzv-endpoint",  coordinator,
+                                    "--node-timeout",   "2",
+                                    "--last-call",      "1",
+                                    "--grace-period",   "2",
+                                    "--node_rank",      std::to_string(node)};
+  };
+  const std::vector<std::string> slow = {"--steps", "60", "--step-seconds", "0.1"};
+  Launch node0 = launch_python(dir, "node0", args(0), slow);
+  Launch node1 = launch_python(dir, "node1", args(1), slow);
+  const auto deadline = Clock::now() + std::chrono::seconds(90);
+  while (!(fs::exists(dir / "ddp" / "started_gen1_rank0") &&
+           fs::exists(dir / "ddp" / "started_gen1_rank1")) &&
+         Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(fs::exists(dir / "ddp" / "started_gen1_rank1")) << node0.text() << node1.text();
+  node1.process.signal(SIGKILL);  // node 1's agent dies; its worker loses its peers and exits
+  const auto records = wait_ddp(dir, 2, 1, std::chrono::seconds(120));
+  expect_ddp_world(records, 1);
+  EXPECT_EQ(finish(node0, std::chrono::seconds(60)), 0) << node0.text();
+  EXPECT_FALSE(fs::exists(dir / "ddp" / "gen1_rank0.json")) << "generation 1 did not finish";
+  EXPECT_NE(node0.text().find("lost"), std::string::npos) << node0.text();
+}
+
 TEST_F(Launcher, WrongTokenIsRefused) {
   TempDir dir;
   const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
@@ -333,6 +468,9 @@ TEST_F(Launcher, BadArgumentsAreClearErrors) {
   EXPECT_EQ(slurm.exit_code, 2) << slurm.output;
   EXPECT_NE(slurm.output.find("$SLURM_NTASKS_PER_NODE is 'lots'"), std::string::npos)
       << slurm.output;
+  r = run({"--standalone", "--nnodes", "2", "--", kProbe});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--standalone"), std::string::npos) << r.output;
 }
 
 }  // namespace

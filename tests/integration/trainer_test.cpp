@@ -155,6 +155,42 @@ TEST_F(Trainer, ResumingAChangedModelNamesWhatTheCheckpointHasAndTheModelNot) {
   EXPECT_EQ(same.output.find("left out"), std::string::npos) << same.output;
 }
 
+// train.init_from: the weights of a ZeRO-1 run at world size 2, exported to safetensors (the
+// flat pieces gathered) and imported back, start a new run whose losses equal, bit for bit,
+// those of a run started from the original checkpoint's weights, and differ from a fresh
+// start; a model that does not match the weights is named.
+TEST_F(Trainer, InitFromImportedWeightsStartsLikeTheOriginalWeights) {
+  ASSERT_EQ(run("a", 2, {"--train.steps=4", "--probe.mode=zero1"}).exit_code, 0);
+  const std::string exported = (dir_ / "a.safetensors").string();
+  auto ex = testing::run_program({kLoom, "ckpt", "export", (dir_ / "a" / "ckpt").string(), "latest",
+                                  exported, "--format", "safetensors"},
+                                 dir_.path());
+  ASSERT_EQ(ex.exit_code, 0) << ex.output;
+  auto im = testing::run_program(
+      {kLoom, "ckpt", "import", exported, (dir_ / "imported").string(), "--format", "safetensors"},
+      dir_.path());
+  ASSERT_EQ(im.exit_code, 0) << im.output;
+  auto from_original =
+      run("b", 2, {"--train.steps=3", "--train.init_from=" + (dir_ / "a" / "ckpt").string()});
+  ASSERT_EQ(from_original.exit_code, 0) << from_original.output;
+  EXPECT_NE(from_original.output.find("initialised the model's weights from"), std::string::npos)
+      << from_original.output;
+  auto from_imported =
+      run("c", 2, {"--train.steps=3", "--train.init_from=" + (dir_ / "imported").string()});
+  ASSERT_EQ(from_imported.exit_code, 0) << from_imported.output;
+  ASSERT_EQ(run("fresh", 2, {"--train.steps=3"}).exit_code, 0);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(losses("c", r).size(), 3u);
+    EXPECT_EQ(losses("b", r), losses("c", r)) << "rank " << r;
+    EXPECT_NE(losses("b", r).at(0), losses("fresh", r).at(0)) << "rank " << r;
+  }
+  auto changed = run("d", 1,
+                     {"--train.steps=1", "--probe.hidden_bias=false",
+                      "--train.init_from=" + (dir_ / "imported").string()});
+  EXPECT_NE(changed.exit_code, 0) << changed.output;
+  EXPECT_NE(changed.output.find("model/hidden.bias"), std::string::npos) << changed.output;
+}
+
 // The learning rate of each step of rank 0's metrics.jsonl.
 std::vector<double> logged_lrs(const fs::path& run_dir) {
   std::vector<double> out;

@@ -1,5 +1,6 @@
 // `loom ckpt ls|verify|show <dir> [step]`: list committed checkpoints, check every byte
-// against its hash, and print a step's tensors and metadata.
+// against its hash, and print a step's tensors and metadata. `loom ckpt export|import`:
+// to and from torch.save and safetensors files (loom/ckpt/export.h).
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -11,6 +12,7 @@
 #include "ckpt/reader.h"
 #include "ckpt/storage.h"
 #include "commands.h"
+#include "loom/ckpt/export.h"
 #include "loom/error.h"
 
 namespace loom::cli {
@@ -123,6 +125,94 @@ int run_show(const CkptArgs& args) {
   return kExitOk;
 }
 
+struct ExportArgs {
+  std::string dir;
+  std::string step = "latest";
+  std::string format;
+  std::string out;
+  bool optimizer = false;
+};
+
+int run_export(const ExportArgs& args) {
+  LOOM_CHECK(std::filesystem::is_directory(args.dir), InvalidArgument, "no directory ", args.dir);
+  const auto format = ckpt::parse_tensor_file_format(args.format);
+  CkptArgs which{args.dir, std::nullopt};
+  if (args.step != "latest") {
+    size_t used = 0;
+    try {
+      which.step = std::stoll(args.step, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    LOOM_CHECK(used == args.step.size() && used > 0, InvalidArgument, "step must be a number or ",
+               "'latest', got '", args.step, "'");
+  }
+  const int64_t step = resolve_step(which);
+  const auto tensors = ckpt::read_model_tensors(args.dir, step, {.optimizer = args.optimizer});
+  ckpt::write_tensor_file(args.out, format, tensors,
+                          {{"format", "pt"},
+                           {"loom.step", std::to_string(step)},
+                           {"loom.checkpoint", std::filesystem::absolute(args.dir).string()}});
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) bytes += t.tensor.numel() * t.tensor.element_size();
+  std::printf("step %lld: %zu tensors, %s written to %s (%s)\n", static_cast<long long>(step),
+              tensors.size(), bytes_text(static_cast<double>(bytes)).c_str(), args.out.c_str(),
+              args.format.c_str());
+  return kExitOk;
+}
+
+struct ImportArgs {
+  std::string in;
+  std::string format;
+  std::string dir;
+  int64_t step = 0;
+};
+
+int run_import(const ImportArgs& args) {
+  const auto format = ckpt::parse_tensor_file_format(args.format);
+  LOOM_CHECK(std::filesystem::is_regular_file(args.in), InvalidArgument, "no file ", args.in);
+  try {
+    const auto tensors =
+        ckpt::import_tensor_file(args.in, args.dir, {.format = format, .step = args.step});
+    std::printf("%s: %zu tensors imported as step %lld of %s\n", args.in.c_str(), tensors.size(),
+                static_cast<long long>(args.step), args.dir.c_str());
+    return kExitOk;
+  } catch (const CorruptData& e) {
+    std::printf("CORRUPT: %s\n", e.what());
+    return kExitFailed;
+  }
+}
+
+void register_interchange(CLI::App* ckpt, Action& action) {
+  auto ex = std::make_shared<ExportArgs>();
+  CLI::App* export_cmd = ckpt->add_subcommand(
+      "export", "Write a step's model (and optimizer) tensors as a torch or safetensors file.");
+  export_cmd->add_option("dir", ex->dir, "the checkpoint directory")->required();
+  export_cmd->add_option("step", ex->step, "the step, or latest")->required();
+  export_cmd->add_option("out", ex->out, "the file to write")->required();
+  export_cmd->add_option("--format", ex->format, "torch or safetensors")->required();
+  export_cmd->add_flag("--optimizer", ex->optimizer,
+                       "also the optimizer state, as optim/<parameter>/<state>");
+  export_cmd->footer(
+      "Sharded tensors (ZeRO) are gathered whole; \"model/<name>\" is written as <name>, the\n"
+      "keys of the PyTorch module's state_dict(). In Python: torch.load(out) gives a dict.\n"
+      "Exit codes: 0 written, 1 the checkpoint is corrupt, 2 no such directory or step.");
+  export_cmd->callback([ex, &action] { action = [ex] { return run_export(*ex); }; });
+
+  auto im = std::make_shared<ImportArgs>();
+  CLI::App* import_cmd = ckpt->add_subcommand(
+      "import", "Make a committed Loom checkpoint from a torch.save or safetensors file.");
+  import_cmd->add_option("in", im->in, "the file to read (a state_dict)")->required();
+  import_cmd->add_option("dir", im->dir, "the checkpoint directory to write")->required();
+  import_cmd->add_option("--format", im->format, "torch or safetensors")->required();
+  import_cmd->add_option("--step", im->step, "the step to commit it as")->capture_default_str();
+  import_cmd->footer(
+      "Each tensor <name> becomes model/<name> (optim/... names are kept): model weights,\n"
+      "for loom::ckpt::load_model_weights(); not a Trainer resume point (docs/checkpoint.md).\n"
+      "Exit codes: 0 imported, 1 the file is corrupt, 2 bad arguments or an existing step.");
+  import_cmd->callback([im, &action] { action = [im] { return run_import(*im); }; });
+}
+
 void add_step_command(CLI::App* ckpt, const std::string& name, const std::string& description,
                       const std::string& footer, int (*run)(const CkptArgs&), Action& action,
                       bool takes_step) {
@@ -138,7 +228,8 @@ void add_step_command(CLI::App* ckpt, const std::string& name, const std::string
 }  // namespace
 
 void register_ckpt(CLI::App& app, Action& action) {
-  CLI::App* ckpt = app.add_subcommand("ckpt", "Inspect and verify Loom checkpoints.");
+  CLI::App* ckpt = app.add_subcommand(
+      "ckpt", "Inspect and verify Loom checkpoints; export and import them for PyTorch.");
   ckpt->require_subcommand(1);
   ckpt->footer(
       "A checkpoint directory holds step_<N>/ directories; one is a checkpoint once\n"
@@ -151,6 +242,7 @@ void register_ckpt(CLI::App& app, Action& action) {
                    run_verify, action, true);
   add_step_command(ckpt, "show", "Print a step's tensors (dtype, shape, sharding) and metadata.",
                    "Exit codes: 0 shown, 2 no such directory or step.", run_show, action, true);
+  register_interchange(ckpt, action);
 }
 
 }  // namespace loom::cli

@@ -21,6 +21,8 @@ struct RunArgs {
   std::string coordinator;
   bool coordinator_public = false;
   int max_restarts = 0;
+  bool standalone = false;
+  std::string run_id = "none";
   std::string run_dir = "runs/loom-run";
   double grace_s = 10;
   double rendezvous_timeout_s = 120;
@@ -66,6 +68,11 @@ std::string first_slurm_host(const std::string& list) {
 }
 
 int run(RunArgs args) {
+  if (args.standalone) {
+    LOOM_CHECK(args.coordinator.empty() && (args.nnodes == "1"), InvalidArgument,
+               "--standalone is one node with a coordinator on a free loopback port: drop "
+               "--nnodes and --coordinator/--rdzv-endpoint");
+  }
   control::AgentOptions o;
   o.program = args.program;
   const auto colon = args.nnodes.find(':');
@@ -110,6 +117,7 @@ int run(RunArgs args) {
   LOOM_CHECK(!o.token.empty() || !o.coordinator_public, InvalidArgument,
              "a public coordinator needs the job token: set LOOM_JOB_TOKEN on every node");
   o.max_restarts = args.max_restarts;
+  o.run_id = args.run_id;
   o.run_dir = args.run_dir;
   const auto ms = [](double s) {
     return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
@@ -128,22 +136,30 @@ void register_run(CLI::App& app, Action& action) {
   auto args = std::make_shared<RunArgs>();
   CLI::App* run_cmd = app.add_subcommand(
       "run", "Launch a training program on this node's workers (torchrun-like).");
+  // torchrun's spellings (dashes and underscores) are accepted, so that `torchrun` can be
+  // replaced by `loom run` in a command line.
   run_cmd->add_option("--nnodes", args->nnodes, "nodes: N, or MIN:MAX for an elastic job")
       ->capture_default_str();
   run_cmd
-      ->add_option("--nproc-per-node", args->nproc_per_node,
+      ->add_option("--nproc-per-node,--nproc_per_node", args->nproc_per_node,
                    "workers on this node, 1 to 4096 (default 1, or Slurm's)")
       ->check(CLI::Range(1, 4096));
-  run_cmd->add_option("--node-rank", args->node_rank,
+  run_cmd->add_option("--node-rank,--node_rank", args->node_rank,
                       "this node's rank; node 0 hosts the coordinator");
   run_cmd->add_option(
-      "--coordinator", args->coordinator,
+      "--coordinator,--rdzv-endpoint,--rdzv_endpoint", args->coordinator,
       "host:port of the coordinator (node 0 listens there); single node: any free port");
+  run_cmd->add_flag("--standalone", args->standalone,
+                    "one node, the coordinator on a free loopback port (the default for one node)");
+  run_cmd
+      ->add_option("--rdzv-id,--rdzv_id", args->run_id,
+                   "the job's id, given to the workers as TORCHELASTIC_RUN_ID")
+      ->capture_default_str();
   run_cmd->add_flag(
       "--coordinator-public", args->coordinator_public,
       "allow the coordinator to listen beyond loopback (every RPC then needs LOOM_JOB_TOKEN)");
   run_cmd
-      ->add_option("--max-restarts", args->max_restarts,
+      ->add_option("--max-restarts,--max_restarts", args->max_restarts,
                    "worker failures tolerated (each restarts all workers)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
@@ -181,10 +197,13 @@ void register_run(CLI::App& app, Action& action) {
       "--coordinator-public -- prog\n"
       "  node 1: LOOM_JOB_TOKEN=<printed by node 0> loom run --nnodes 2 --node-rank 1 "
       "--coordinator 10.0.0.1:29400 -- prog\n"
+      "  torchrun's programs: loom run --nproc_per_node 2 -- python3 train.py\n"
       "Each worker gets LOOM_RANK, LOOM_WORLD_SIZE, LOOM_LOCAL_RANK, LOOM_COORDINATOR, "
       "LOOM_GENERATION,\n"
-      "LOOM_JOB_TOKEN and torchrun's RANK, WORLD_SIZE, LOCAL_RANK; its output is prefixed [rank r] "
-      "and\n"
+      "LOOM_JOB_TOKEN and torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+      "MASTER_PORT, ...:\n"
+      "rank 0 hosts a c10d TCPStore there, as init_process_group does); its output is prefixed "
+      "[rank r] and\n"
       "kept in <run-dir>/logs. A failed worker restarts all workers (up to --max-restarts); the "
       "exit\n"
       "code is the first failure's. SIGINT/SIGTERM stop the workers gracefully. docs/launcher.md.");

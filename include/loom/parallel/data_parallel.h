@@ -159,6 +159,10 @@ class DataParallel {
   // saved at another world size and re-sliced) and re-synchronises the parameters. Collective.
   // InvalidArgument naming a missing entry or a range that does not match.
   void load_state(const ckpt::State& state);
+  // Call after writing the module's parameters in place on every rank alike (loading weights,
+  // e.g. ckpt::load_model_weights): re-derives the fp32 master weights from them. The
+  // optimizer state is left as it is.
+  void parameters_changed();
 
   // Bytes of optimizer state plus master weights held by this rank.
   int64_t optimizer_state_bytes() const;

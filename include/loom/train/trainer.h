@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "loom/config.h"
 #include "loom/train/schedule.h"
@@ -79,6 +80,11 @@ struct TrainOptions {
   // layer removed since the save) is an error naming it; false loads the rest and warns
   // with the list of what was dropped (PyTorch's strict=False).
   bool resume_strict = true;
+  // When there is no checkpoint to resume from: a checkpoint directory whose newest committed
+  // step's "model/..." tensors become the model's weights (strictly: every parameter, nothing
+  // else of the model's), e.g. one made by `loom ckpt import` from PyTorch weights. The
+  // optimizer, the step count and the data start fresh. Empty: the module's own weights.
+  std::string init_from;
   std::chrono::milliseconds checkpoint_timeout{std::chrono::minutes(10)};
 
   // The train.* configuration keys (train.steps, train.lr, ...), with their defaults and help.
