@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <limits>
 
 #include "harness/harness.h"
 #include "loom/data/reader.h"
@@ -175,6 +176,38 @@ TEST(DataCli, JsonlBecomesARecordDataset) {
                            dir);
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_TRUE(contains(bad.output, "bad.jsonl:2")) << bad.output;
+}
+
+// nlohmann parses integers above INT64_MAX as uint64; stored as int64 they would wrap into
+// negative numbers, so they are refused, as scalars and inside tensors.
+TEST(DataCli, JsonlIntegersBeyondInt64AreRefusedNotWrapped) {
+  TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"steps", R"({"steps": 9223372036854775808})"},
+      {"obs", R"({"obs": [1, 18446744073709551615]})"}};
+  for (const auto& [key, line] : cases) {
+    const fs::path input = dir / (key + ".jsonl");
+    std::ofstream(input) << R"({")" << key << R"(": )" << (key == "obs" ? "[1, 2]" : "7") << "}\n"
+                         << line << "\n";
+    ProgramResult r = loom(
+        {"data", "build", "jsonl", "--input", input.string(), "--out", (dir / key).string()}, dir);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    // The last line (a progress line may come before it).
+    const std::string last = r.output.substr(r.output.rfind('\n', r.output.size() - 2) + 1);
+    EXPECT_EQ(last, "error: " + input.string() + ":2: key \"" + key +
+                        "\" holds an integer beyond int64's range (at most "
+                        "9223372036854775807); store it as a string or a float\n");
+    EXPECT_FALSE(fs::exists(dir / key / "manifest.json"));
+  }
+  // INT64_MAX itself fits and reads back exactly.
+  std::ofstream(dir / "max.jsonl") << R"({"steps": 9223372036854775807})"
+                                   << "\n";
+  ProgramResult ok = loom({"data", "build", "jsonl", "--input", (dir / "max.jsonl").string(),
+                           "--out", (dir / "max").string()},
+                          dir);
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  Reader reader(dir / "max", {});
+  EXPECT_EQ(reader.read({0})["steps"][0].item<int64_t>(), std::numeric_limits<int64_t>::max());
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -249,6 +250,19 @@ bool array_shape(const json& value, std::vector<int64_t>& shape, bool& integral,
   return true;
 }
 
+// False when `value` (or an element of it) is an integer above INT64_MAX: nlohmann keeps those
+// as uint64, and storing one as int64 would wrap it silently into a negative number.
+bool fits_int64(const json& value) {
+  if (value.is_array()) {
+    for (const json& v : value) {
+      if (!fits_int64(v)) return false;
+    }
+    return true;
+  }
+  return !value.is_number_unsigned() ||
+         value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+}
+
 template <typename T>
 void flatten(const json& value, std::vector<T>& out) {
   if (value.is_array()) {
@@ -312,6 +326,10 @@ int build_jsonl(const JsonlArgs& args) {
               (field.type != data::FieldType::kTensor || seen.type == data::FieldType::kTensor),
           InvalidArgument, args.input, ":", i + 1, ": key \"", field.name, "\" is ", v.type_name(),
           "; the first line makes it a ", field.dtype.empty() ? "" : field.dtype + " ", "field");
+      const bool integral = field.type == data::FieldType::kInt || field.dtype == "int64";
+      LOOM_CHECK(!integral || fits_int64(v), InvalidArgument, args.input, ":", i + 1, ": key \"",
+                 field.name, "\" holds an integer beyond int64's range (at most ",
+                 std::numeric_limits<int64_t>::max(), "); store it as a string or a float");
       switch (field.type) {
         case data::FieldType::kText:
           record.text(v.get<std::string>());
