@@ -12,8 +12,9 @@ tools/install-deps.sh
 
 if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc > /dev/null; then
   echo "run-tests: building the CUDA configuration (LOOM_WITH_CUDA=ON)"
-  LOOM_BUILD_DIR=build-cuda LOOM_TARGETS="loom loom_gpu_tests" tools/build.sh \
-    -DLOOM_WITH_CUDA=ON -DLOOM_BUILD_EXAMPLES=OFF -DLOOM_BUILD_BENCHMARKS=OFF
+  # The library, its GPU tests and the example trainers (what a GPU user builds first).
+  LOOM_BUILD_DIR=build-cuda LOOM_TARGETS="loom loom_gpu_tests fashion_mnist gpt" tools/build.sh \
+    -DLOOM_WITH_CUDA=ON -DLOOM_BUILD_BENCHMARKS=OFF
   if nvidia-smi -L > /dev/null 2>&1; then
     ctest --test-dir build-cuda --output-on-failure -L gpu
   else
