@@ -194,7 +194,7 @@ class Agent {
     for (;;) {
       const std::optional<v1::JoinReply> round = join();
       if (!round) return 128 + g_stop_signal.load();
-      if (!round->admitted()) return finish_without_round(round->reason());
+      if (round->outcome() != v1::JOIN_ADMITTED) return finish_without_round(*round);
       generation_ = round->generation();
       say("generation ", round->generation(), ": node ", round->node_rank(), " of ",
           round->nnodes(), ", ranks ", round->rank_offset(), "-",
@@ -214,7 +214,8 @@ class Agent {
   };
 
   // Joins the next rendezvous round, in short calls so that a stop signal is seen at once.
-  // nullopt when a signal stopped the wait.
+  // The reply is admitted, the job over, or still waiting at the rendezvous deadline; nullopt
+  // when a signal stopped the wait.
   std::optional<v1::JoinReply> join() {
     const auto deadline = Clock::now() + options_.rendezvous_timeout;
     for (;;) {
@@ -231,8 +232,7 @@ class Agent {
       request.set_timeout_ms(std::clamp(left, milliseconds(0), milliseconds(1000)).count());
       v1::JoinReply reply =
           client_->call("Join", &CoordinatorClient::Stub::Join, request, milliseconds(1000));
-      if (reply.admitted() || left <= milliseconds(0) || reply.reason().find("the job") == 0)
-        return reply;
+      if (reply.outcome() != v1::JOIN_WAITING || left <= milliseconds(0)) return reply;
     }
   }
 
@@ -430,10 +430,17 @@ class Agent {
     }
   }
 
-  int finish_without_round(const std::string& reason) {
-    if (reason.find("already finished") != std::string::npos) return linger(0);
-    say("not admitted to a generation: ", reason);
-    return linger(1);
+  int finish_without_round(const v1::JoinReply& reply) {
+    switch (reply.outcome()) {
+      case v1::JOIN_JOB_FINISHED:
+        return linger(0);
+      case v1::JOIN_JOB_FAILED:
+        say("not admitted to a generation: ", reply.reason());
+        return linger(reply.exit_code() != 0 ? reply.exit_code() : 1);
+      default:  // still waiting at the rendezvous deadline
+        say("not admitted to a generation: ", reply.reason());
+        return linger(1);
+    }
   }
 
   // The node hosting the coordinator stays up a little so the other agents hear the outcome.

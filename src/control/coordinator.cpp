@@ -1,6 +1,6 @@
-// The coordinator's gRPC service: the key-value store (an InMemoryStore behind RPCs), the
-// rendezvous rounds of the agents, heartbeats, and the monitor that ends a generation when a
-// node or a worker goes silent.
+// The coordinator's gRPC service: the key-value store (an InMemoryStore behind RPCs), and a
+// thin adapter from the membership RPCs (Join, Heartbeat, ReportFailure, Leave, GetStatus) to
+// the Membership state machine (membership.h), plus the monitor thread that ticks its clock.
 #include "loom/control/coordinator.h"
 
 #include <grpcpp/grpcpp.h>
@@ -8,13 +8,11 @@
 #include <algorithm>
 #include <condition_variable>
 #include <fstream>
-#include <map>
 #include <mutex>
-#include <optional>
-#include <set>
 #include <thread>
 
 #include "control/auth.h"
+#include "control/membership.h"
 #include "loom.grpc.pb.h"
 #include "loom/comm/store.h"
 #include "loom/error.h"
@@ -28,8 +26,6 @@ using std::chrono::milliseconds;
 
 // Blocking store calls wait in slices so that a cancelled call or a shutdown frees its thread.
 constexpr milliseconds kSlice{200};
-// Workers one node may run (the launcher's --nproc-per-node bound).
-constexpr int kMaxNproc = 4096;
 
 // A client's timeout_ms as a wait: negative is 0, and at most a day, so that adding it to
 // Clock::now() cannot overflow (INT64_MAX ms is past the clock's range).
@@ -42,8 +38,50 @@ bool is_loopback(const std::string& address) {
   return host.rfind("127.", 0) == 0 || host == "localhost" || host == "[::1]" || host == "::1";
 }
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
+v1::GenerationState to_proto(HeartbeatResult::State state) {
+  switch (state) {
+    case HeartbeatResult::kRunning:
+      return v1::RUNNING;
+    case HeartbeatResult::kEnded:
+      return v1::ENDED;
+    case HeartbeatResult::kFinished:
+      return v1::FINISHED;
+    case HeartbeatResult::kFailed:
+      return v1::FAILED;
+  }
+  return v1::GENERATION_UNKNOWN;
+}
+
+v1::GenerationState to_proto(Phase phase) {
+  switch (phase) {
+    case Phase::kGathering:
+      return v1::ENDED;
+    case Phase::kRunning:
+      return v1::RUNNING;
+    case Phase::kFinished:
+      return v1::FINISHED;
+    case Phase::kFailed:
+      return v1::FAILED;
+  }
+  return v1::GENERATION_UNKNOWN;
+}
+
+v1::JoinOutcome to_proto(JoinResult::Outcome outcome) {
+  switch (outcome) {
+    case JoinResult::kAdmitted:
+      return v1::JOIN_ADMITTED;
+    case JoinResult::kWaiting:
+      return v1::JOIN_WAITING;
+    case JoinResult::kJobFinished:
+      return v1::JOIN_JOB_FINISHED;
+    case JoinResult::kJobFailed:
+      return v1::JOIN_JOB_FAILED;
+  }
+  return v1::JOIN_OUTCOME_UNKNOWN;
+}
+
+grpc::Status invalid_argument(const InvalidArgument& e) {
+  return {grpc::StatusCode::INVALID_ARGUMENT, e.what()};
 }
 
 }  // namespace
@@ -69,54 +107,26 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
 
   comm::InMemoryStore store;  // thread-safe on its own
 
-  struct Member {
-    std::string node_id;
-    int node_rank = 0;
-    int nproc = 0;
-    int rank_offset = 0;
-    Clock::time_point last_heartbeat;
-    bool left = false;
-  };
-  // An agent waiting for the next round. Agents wait in short Join calls; an entry not
-  // renewed for kWaitingExpiry belongs to an agent that went away.
-  struct Waiting {
-    int nproc = 0;
-    int hint = -1;
-    Clock::time_point seen;
-  };
-  static constexpr milliseconds kWaitingExpiry{3000};
-  struct Worker {
-    int64_t step = 0;
-    double throughput = 0;
-    std::string state;
-    Clock::time_point last_heartbeat;
-  };
-
-  // State below is protected by mutex; changed is notified on every membership change.
+  // State below is protected by mutex; changed is notified whenever membership's phase
+  // changed (a round closed, a generation ended, the job is over), so that blocked Join calls
+  // look again. Not on every call: blocked Joins renew theirs, and would wake each other.
   mutable std::mutex mutex;
   std::condition_variable changed;
   bool shutting_down = false;
-  int64_t generation = 0;                 // 0 until the first round closes
-  v1::GenerationState state = v1::ENDED;  // ENDED = gathering the next round
-  std::map<std::string, Waiting> waiting;
-  std::optional<Clock::time_point> round_deadline;
-  std::map<std::string, v1::JoinReply> assigned;  // this generation's replies, by node id
-  std::vector<Member> members;
-  std::map<int, Worker> workers;
-  int restarts = 0;
-  int world_size = 0;
-  int exit_code = 0;
-  std::string last_failure;
+  Membership membership;
   int64_t flight_dump_epoch = 0;
 
   std::unique_ptr<grpc::Server> server;
   std::thread monitor;
 
-  explicit Impl(CoordinatorOptions opts) : options(std::move(opts)) {
-    LOOM_CHECK(options.min_nodes >= 1 && options.max_nodes >= options.min_nodes, InvalidArgument,
-               "nodes must satisfy 1 <= min <= max, got ", options.min_nodes, ":",
-               options.max_nodes);
-    LOOM_CHECK(options.max_restarts >= 0, InvalidArgument, "max_restarts must be >= 0");
+  explicit Impl(CoordinatorOptions opts)
+      : options(std::move(opts)),
+        membership({.min_nodes = options.min_nodes,
+                    .max_nodes = options.max_nodes,
+                    .last_call = options.last_call,
+                    .max_restarts = options.max_restarts,
+                    .node_timeout = options.node_timeout,
+                    .worker_timeout = options.worker_timeout}) {
     if (!is_loopback(options.address)) {
       LOOM_CHECK(options.allow_non_loopback, InvalidArgument, "the coordinator would listen on ",
                  options.address,
@@ -166,6 +176,11 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     return grpc::Status::OK;
   }
 
+  bool stopping() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return shutting_down;
+  }
+
   // Waits for keys in slices until found, the timeout, a cancelled call or shutdown.
   std::vector<std::string> wait_keys(grpc::ServerContext* c, const std::vector<std::string>& keys,
                                      milliseconds timeout) {
@@ -202,7 +217,7 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     try {
       reply->set_value(store.add(req->key(), req->delta()));
     } catch (const InvalidArgument& e) {
-      return {grpc::StatusCode::INVALID_ARGUMENT, e.what()};
+      return invalid_argument(e);
     }
     return grpc::Status::OK;
   }
@@ -238,123 +253,58 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     return grpc::Status::OK;
   }
 
-  // ---- membership ----
+  // ---- membership: RPCs in, Membership transitions, RPCs out ----
 
-  bool stopping() const {
-    std::lock_guard<std::mutex> lock(mutex);
-    return shutting_down;
-  }
-
-  bool job_over() const { return state == v1::FINISHED || state == v1::FAILED; }
-
-  // Closes the gathering round: the waiting agents become the next generation. mutex held.
-  void close_round() {
-    std::vector<std::pair<std::string, Waiting>> nodes(waiting.begin(), waiting.end());
-    std::sort(nodes.begin(), nodes.end(), [](const auto& a, const auto& b) {
-      const int ha = a.second.hint < 0 ? INT32_MAX : a.second.hint;
-      const int hb = b.second.hint < 0 ? INT32_MAX : b.second.hint;
-      return ha != hb ? ha < hb : a.first < b.first;
-    });
-    if (static_cast<int>(nodes.size()) > options.max_nodes)
-      nodes.resize(static_cast<size_t>(options.max_nodes));
-    ++generation;
-    members.clear();
-    assigned.clear();
-    workers.clear();
-    int offset = 0;
-    for (size_t i = 0; i < nodes.size(); ++i) {
-      members.push_back(
-          {nodes[i].first, static_cast<int>(i), nodes[i].second.nproc, offset, Clock::now()});
-      offset += nodes[i].second.nproc;
-    }
-    world_size = offset;
-    for (const Member& m : members) {
-      v1::JoinReply& r = assigned[m.node_id];
-      r.set_admitted(true);
-      r.set_generation(generation);
-      r.set_node_rank(m.node_rank);
-      r.set_nnodes(static_cast<int>(members.size()));
-      r.set_rank_offset(m.rank_offset);
-      r.set_world_size(world_size);
-      r.set_restarts(restarts);
-      waiting.erase(m.node_id);
-    }
-    round_deadline.reset();
-    state = v1::RUNNING;
-    log().info("coordinator: generation {} starts: {} node(s), world size {}", generation,
-               members.size(), world_size);
-    changed.notify_all();
-  }
-
-  // Ends the running generation; the agents see ENDED (or FAILED) in their next heartbeat.
-  void end_generation(const std::string& reason, int code, bool failure) {
-    if (state != v1::RUNNING) return;
-    last_failure = reason;
-    if (failure) {
-      ++restarts;
-      if (exit_code == 0) exit_code = code != 0 ? code : 1;
-    }
-    if (failure && restarts > options.max_restarts) {
-      state = v1::FAILED;
-      log().error("coordinator: generation {} ended: {}; restarts exhausted ({}), the job fails",
-                  generation, reason, options.max_restarts);
-    } else {
-      state = v1::ENDED;
-      log().warn("coordinator: generation {} ended: {}; {}", generation, reason,
-                 failure ? "restart " + std::to_string(restarts) + " of " +
-                               std::to_string(options.max_restarts)
-                         : std::string("re-rendezvous"));
+  // Logs the phase changes of the last transitions and wakes blocked Join calls. mutex held.
+  void after_transition() {
+    const auto events = membership.take_events();
+    if (events.empty()) return;
+    for (const auto& event : events) {
+      const auto level = event.level == Membership::Event::kError  ? spdlog::level::err
+                         : event.level == Membership::Event::kWarn ? spdlog::level::warn
+                                                                   : spdlog::level::info;
+      log().log(level, "coordinator: {}", event.text);
     }
     changed.notify_all();
   }
 
+  static void fill(const JoinResult& r, v1::JoinReply* reply) {
+    reply->set_outcome(to_proto(r.outcome));
+    reply->set_reason(r.reason);
+    reply->set_exit_code(r.exit_code);
+    if (r.outcome != JoinResult::kAdmitted) return;
+    reply->set_generation(r.assignment.generation);
+    reply->set_node_rank(r.assignment.node_rank);
+    reply->set_nnodes(r.assignment.nnodes);
+    reply->set_rank_offset(r.assignment.rank_offset);
+    reply->set_world_size(r.assignment.world_size);
+    reply->set_restarts(r.assignment.restarts);
+  }
+
+  // Renews the join every slice until the round admits the node, the job is over, or the
+  // call's timeout, cancellation or shutdown (the node keeps its place: it joins again).
   grpc::Status Join(grpc::ServerContext* c, const v1::JoinRequest* req,
                     v1::JoinReply* reply) override {
     if (auto s = check_token(c, "Join"); !s.ok()) return s;
-    // A node's count and hint become ranks and the world size: refuse what cannot be one.
-    if (req->node_id().empty() || req->node_id().size() > 1024 || req->nproc() < 1 ||
-        req->nproc() > kMaxNproc || req->node_rank_hint() < -1) {
-      return {grpc::StatusCode::INVALID_ARGUMENT,
-              detail::concat("Join from node '", req->node_id().substr(0, 64), "': nproc ",
-                             req->nproc(), " must be in [1, ", kMaxNproc, "], node_rank_hint ",
-                             req->node_rank_hint(), " >= -1, and the node id 1 to 1024 bytes")};
-    }
     const auto deadline = Clock::now() + rpc_wait(req->timeout_ms());
     std::unique_lock<std::mutex> lock(mutex);
-    if (auto it = assigned.find(req->node_id()); it != assigned.end() && state == v1::RUNNING) {
-      *reply = it->second;  // the round closed between two of this agent's Join calls
-      return grpc::Status::OK;
-    }
-    waiting[req->node_id()] = {req->nproc(), req->node_rank_hint(), Clock::now()};
-    changed.notify_all();
     for (;;) {
-      if (job_over()) {
-        waiting.erase(req->node_id());
-        reply->set_reason(state == v1::FINISHED ? "the job already finished"
-                                                : "the job failed: " + last_failure);
-        return grpc::Status::OK;
+      JoinResult r;
+      try {
+        r = membership.join(req->node_id(), req->nproc(), req->node_rank_hint());
+      } catch (const InvalidArgument& e) {
+        return invalid_argument(e);
       }
-      auto it = assigned.find(req->node_id());
-      if (it != assigned.end() && state == v1::RUNNING) {
-        *reply = it->second;
-        return grpc::Status::OK;
+      after_transition();
+      if (r.outcome == JoinResult::kWaiting &&
+          (Clock::now() >= deadline || c->IsCancelled() || shutting_down)) {
+        r.reason = "the rendezvous did not complete in time: " + r.reason;
+      } else if (r.outcome == JoinResult::kWaiting) {
+        changed.wait_for(lock, kSlice);
+        continue;
       }
-      if (state != v1::RUNNING && static_cast<int>(waiting.size()) >= options.min_nodes) {
-        if (static_cast<int>(waiting.size()) >= options.max_nodes) {
-          close_round();
-          continue;
-        }
-        if (!round_deadline) round_deadline = Clock::now() + options.last_call;
-      }
-      if (Clock::now() >= deadline || c->IsCancelled() || shutting_down) {
-        // Stays in `waiting` (kWaitingExpiry) so that the next Join call keeps its place.
-        reply->set_reason(
-            "the rendezvous did not complete in time: " + std::to_string(waiting.size()) +
-            " node(s) joined, at least " + std::to_string(options.min_nodes) + " needed");
-        return grpc::Status::OK;
-      }
-      waiting[req->node_id()].seen = Clock::now();
-      changed.wait_for(lock, kSlice);
+      fill(r, reply);
+      return grpc::Status::OK;
     }
   }
 
@@ -362,32 +312,20 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
                          v1::HeartbeatReply* reply) override {
     if (auto s = check_token(c, "Heartbeat"); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(mutex);
-    if (req->rank() >= world_size && req->generation() == generation) {
-      return {grpc::StatusCode::INVALID_ARGUMENT,
-              detail::concat("Heartbeat from rank ", req->rank(), " of generation ", generation,
-                             ", whose world size is ", world_size)};
+    HeartbeatResult r;
+    try {
+      r = req->rank() >= 0
+              ? membership.worker_heartbeat(req->rank(), req->generation(), req->step(),
+                                            req->throughput(), req->state())
+              : membership.node_heartbeat(req->node_id(), req->generation());
+    } catch (const InvalidArgument& e) {
+      return invalid_argument(e);
     }
-    if (req->generation() == generation && state == v1::RUNNING) {
-      if (req->rank() >= 0) {
-        Worker& w = workers[req->rank()];
-        w.step = req->step();
-        w.throughput = req->throughput();
-        w.state = req->state();
-        w.last_heartbeat = Clock::now();
-      } else {
-        for (Member& m : members) {
-          if (m.node_id == req->node_id()) m.last_heartbeat = Clock::now();
-        }
-      }
-    }
-    const bool current = req->generation() == generation;
-    reply->set_state(job_over()                        ? state
-                     : current && state == v1::RUNNING ? v1::RUNNING
-                                                       : v1::ENDED);
-    reply->set_generation(generation);
+    reply->set_state(to_proto(r.state));
+    reply->set_generation(r.generation);
     reply->set_flight_dump_epoch(flight_dump_epoch);
-    reply->set_exit_code(exit_code);
-    reply->set_reason(last_failure);
+    reply->set_exit_code(r.exit_code);
+    reply->set_reason(r.reason);
     return grpc::Status::OK;
   }
 
@@ -395,7 +333,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
                              v1::FailureReply*) override {
     if (auto s = check_token(c, "ReportFailure"); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(mutex);
-    if (req->generation() == generation) end_generation(req->reason(), req->exit_code(), true);
+    membership.report_failure(req->generation(), req->exit_code(), req->reason());
+    after_transition();
     return grpc::Status::OK;
   }
 
@@ -403,25 +342,12 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
                      v1::LeaveReply*) override {
     if (auto s = check_token(c, "Leave"); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(mutex);
-    if (!req->success()) {  // an agent stops the job (a signal): everyone stops
-      if (!job_over()) {
-        state = v1::FAILED;
-        exit_code = req->exit_code();
-        last_failure = req->reason();
-        log().warn("coordinator: the job stops: {}", req->reason());
-      }
-    } else if (req->generation() == generation) {
-      bool all = true;
-      for (Member& m : members) {
-        if (m.node_id == req->node_id()) m.left = true;
-        all = all && m.left;
-      }
-      if (all && state == v1::RUNNING) {
-        state = v1::FINISHED;
-        log().info("coordinator: generation {} finished; the job is done", generation);
-      }
+    if (req->success()) {
+      membership.leave(req->node_id(), req->generation());
+    } else {  // an agent stops the job (a signal): everyone stops
+      membership.stop(req->exit_code(), req->reason());
     }
-    changed.notify_all();
+    after_transition();
     return grpc::Status::OK;
   }
 
@@ -429,25 +355,26 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
                          v1::JobStatus* reply) override {
     if (auto s = check_token(c, "GetStatus"); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(mutex);
-    reply->set_generation(generation);
-    reply->set_state(state);
-    reply->set_world_size(world_size);
-    reply->set_restarts(restarts);
-    reply->set_last_failure(last_failure);
-    for (const Member& m : members) {
+    const MembershipStatus status = membership.status();
+    reply->set_generation(status.generation);
+    reply->set_state(to_proto(status.phase));
+    reply->set_world_size(status.world_size);
+    reply->set_restarts(status.restarts);
+    reply->set_last_failure(status.last_failure);
+    for (const auto& node : status.nodes) {
       auto* n = reply->add_nodes();
-      n->set_node_id(m.node_id);
-      n->set_node_rank(m.node_rank);
-      n->set_nproc(m.nproc);
-      n->set_seconds_since_heartbeat(seconds_since(m.last_heartbeat));
+      n->set_node_id(node.node_id);
+      n->set_node_rank(node.node_rank);
+      n->set_nproc(node.nproc);
+      n->set_seconds_since_heartbeat(node.seconds_since_heartbeat);
     }
-    for (const auto& [rank, w] : workers) {
-      auto* s = reply->add_workers();
-      s->set_rank(rank);
-      s->set_step(w.step);
-      s->set_throughput(w.throughput);
-      s->set_state(w.state);
-      s->set_seconds_since_heartbeat(seconds_since(w.last_heartbeat));
+    for (const auto& worker : status.workers) {
+      auto* w = reply->add_workers();
+      w->set_rank(worker.rank);
+      w->set_step(worker.step);
+      w->set_throughput(worker.throughput);
+      w->set_state(worker.state);
+      w->set_seconds_since_heartbeat(worker.seconds_since_heartbeat);
     }
     return grpc::Status::OK;
   }
@@ -460,40 +387,13 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     return grpc::Status::OK;
   }
 
-  // Ends generations whose nodes or workers went silent; closes rounds at their deadline.
+  // Ticks the state machine's clock: silent nodes and workers, expired waiters, last calls.
   void monitor_loop() {
     std::unique_lock<std::mutex> lock(mutex);
     while (!shutting_down) {
       changed.wait_for(lock, milliseconds(100));
-      if (state == v1::RUNNING) {
-        for (const Member& m : members) {
-          if (!m.left && Clock::now() - m.last_heartbeat > options.node_timeout) {
-            end_generation("node " + std::to_string(m.node_rank) + " (" + m.node_id +
-                               ") lost: no heartbeat for " +
-                               std::to_string(options.node_timeout.count()) + " ms",
-                           1, false);
-            break;
-          }
-        }
-      }
-      if (state == v1::RUNNING) {
-        for (const auto& [rank, w] : workers) {
-          if (Clock::now() - w.last_heartbeat > options.worker_timeout) {
-            end_generation("rank " + std::to_string(rank) + " missed heartbeats for " +
-                               std::to_string(options.worker_timeout.count()) +
-                               " ms (hung or dead)",
-                           1, true);
-            break;
-          }
-        }
-      }
-      for (auto it = waiting.begin(); it != waiting.end();) {
-        it = Clock::now() - it->second.seen > kWaitingExpiry ? waiting.erase(it) : std::next(it);
-      }
-      if (state == v1::ENDED && round_deadline && Clock::now() >= *round_deadline &&
-          static_cast<int>(waiting.size()) >= options.min_nodes) {
-        close_round();
-      }
+      membership.tick();
+      after_transition();
     }
   }
 };
@@ -504,7 +404,7 @@ Coordinator::~Coordinator() = default;
 const std::string& Coordinator::address() const { return impl_->address; }
 bool Coordinator::done() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  return impl_->job_over();
+  return impl_->membership.done();
 }
 
 }  // namespace loom::control

@@ -70,7 +70,7 @@ TEST(Coordinator, ARoundAssignsNodeRanksAndRankOffsets) {
   }
   for (auto& t : agents) t.join();
   for (int i = 0; i < 3; ++i) {
-    EXPECT_TRUE(replies[i].admitted());
+    EXPECT_EQ(replies[i].outcome(), v1::JOIN_ADMITTED);
     EXPECT_EQ(replies[i].generation(), 1);
     EXPECT_EQ(replies[i].node_rank(), 2 - i);
     EXPECT_EQ(replies[i].world_size(), 6);
@@ -142,7 +142,7 @@ TEST(Coordinator, OutOfRangeRequestFieldsAreInvalidArgumentNamingThem) {
   }
   // None of them joined: a valid node makes the round, alone, at world size 2.
   const auto admitted = join(client, "a", 2, 0);
-  EXPECT_TRUE(admitted.admitted());
+  EXPECT_EQ(admitted.outcome(), v1::JOIN_ADMITTED);
   EXPECT_EQ(admitted.world_size(), 2);
 
   v1::HeartbeatRequest beat;
