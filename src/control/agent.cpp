@@ -344,10 +344,20 @@ class Agent {
     }
   }
 
+  // Runs one generation's workers until it is over for this node. Whatever ends it, an
+  // exception included, the workers are stopped and the output pump joined before returning
+  // (a joinable std::thread destroyed by unwinding would be std::terminate).
   Outcome run_generation(const v1::JoinReply& round) {
     std::vector<Worker> workers = spawn_workers(round);
     std::thread pump([&workers] { pump_output(workers); });
-    Outcome outcome = watch(workers);
+    Outcome outcome;
+    try {
+      outcome = watch(workers);
+    } catch (...) {
+      stop_workers(workers);
+      pump.join();
+      throw;
+    }
     stop_workers(workers);
     pump.join();
     return outcome;
@@ -407,13 +417,19 @@ class Agent {
     }
   }
 
+  // A coordinator that cannot be told is said, not thrown: the next heartbeat finds out what
+  // it means (lost: the agent exits 1).
   void report_failure(int code, const std::string& reason) {
     v1::FailureRequest req;
     req.set_node_id(node_id_);
     req.set_generation(generation_);
     req.set_exit_code(code);
     req.set_reason(reason);
-    client_->call("ReportFailure", &CoordinatorClient::Stub::ReportFailure, req);
+    try {
+      client_->call("ReportFailure", &CoordinatorClient::Stub::ReportFailure, req);
+    } catch (const Error& e) {
+      say("could not report the failure to the coordinator: ", e.what());
+    }
   }
 
   void leave(bool success, int code, const std::string& reason) {

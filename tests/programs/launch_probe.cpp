@@ -1,13 +1,15 @@
 // A worker for the launcher tests: joins the world group through Runtime (the coordinator's
 // store under `loom run`), all-reduces its rank, records what it saw in
 // <run_dir>/probe/gen<g>_rank<r>.json, then runs `probe.steps` steps of `probe.step_ms`,
-// reporting progress through the heartbeat.
+// reporting progress through the heartbeat. With probe.kill_pid it then SIGKILLs that process
+// (a test's way to take the coordinator away at a known moment) before exiting.
 #include <loom/loom.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <csignal>
 #include <fstream>
 #include <thread>
 
@@ -16,6 +18,7 @@ int main(int argc, char** argv) {
   keys.add("probe.steps", 0, "steps after the all-reduce");
   keys.add("probe.step_ms", 100, "milliseconds per step");
   keys.add("probe.exit_code", 0, "exit with this code after the steps");
+  keys.add("probe.kill_pid", 0, "SIGKILL this process after the steps (0: none)");
   return loom::run_main(argc, argv, keys, [](loom::Runtime& rt) {
     const auto now_ms = [] {
       return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -42,6 +45,9 @@ int main(int argc, char** argv) {
       rt.report_progress(step, 1.0);
       std::this_thread::sleep_for(
           std::chrono::milliseconds(rt.config().get<int64_t>("probe.step_ms")));
+    }
+    if (const auto pid = rt.config().get<int64_t>("probe.kill_pid"); pid > 0) {
+      ::kill(static_cast<pid_t>(pid), SIGKILL);
     }
     const int code = static_cast<int>(rt.config().get<int64_t>("probe.exit_code"));
     if (code != 0) std::exit(code);
