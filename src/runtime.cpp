@@ -93,6 +93,7 @@ Topology Topology::from_env() {
   t.coordinator = env_str("LOOM_COORDINATOR");
   t.generation = env_int({"LOOM_GENERATION"}).value_or(0);
   t.job_token = env_str("LOOM_JOB_TOKEN");
+  t.tls = {env_str("LOOM_TLS_CERT"), env_str("LOOM_TLS_KEY"), env_str("LOOM_TLS_CA")};
   if (t.coordinator.empty() && !env_str("MASTER_ADDR").empty()) {
     std::string port = env_str("MASTER_PORT");
     LOOM_CHECK(!port.empty(), InvalidArgument, "MASTER_ADDR is set but MASTER_PORT is not");
@@ -230,6 +231,7 @@ Runtime Runtime::init(const Config& config, const Topology& topology, bool confi
     impl->heartbeat = std::make_unique<control::Heartbeat>(
         control::HeartbeatOptions{.address = topology.coordinator,
                                   .token = topology.job_token,
+                                  .tls = topology.tls,
                                   .rank = topology.rank,
                                   .generation = topology.generation,
                                   .on_flight_dump = [raw] { raw->dump_flight(); },
@@ -281,7 +283,8 @@ comm::Store& Runtime::store() const {
   const Topology& t = impl.topology;
   const std::string store_dir = env_str("LOOM_STORE_DIR");
   if (t.generation > 0 && !t.coordinator.empty()) {
-    impl.base_store = std::make_unique<control::CoordinatorStore>(t.coordinator, t.job_token);
+    impl.base_store = std::make_unique<control::CoordinatorStore>(t.coordinator, t.job_token,
+                                                                  std::chrono::seconds(60), t.tls);
     impl.owned_store =
         std::make_unique<comm::PrefixStore>(detail::concat("gen", t.generation), *impl.base_store);
   } else if (!store_dir.empty()) {

@@ -16,6 +16,7 @@ packages=(
   libcpp-httplib-dev
   bible-kjv bible-kjv-text dataset-fashion-mnist
   python3-torch python3-numpy
+  openssl  # the TLS tests make their certificates with it
 )
 
 missing=()

@@ -9,6 +9,7 @@
 #include "loom/config.h"
 #include "loom/control/coordinator.h"
 #include "loom/control/store.h"
+#include "loom/control/tls.h"
 #include "loom/data/dataset.h"
 #include "loom/data/reader.h"
 #include "loom/data/sampler.h"

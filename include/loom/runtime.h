@@ -22,6 +22,7 @@
 #include <string>
 
 #include "loom/config.h"
+#include "loom/control/tls.h"
 #include "loom/log.h"
 
 namespace loom {
@@ -41,6 +42,7 @@ struct ReaderOptions;
 //   local_rank         LOOM_LOCAL_RANK, LOCAL_RANK              (default 0)
 //   local_world_size   LOOM_LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE  (default world_size)
 //   coordinator        LOOM_COORDINATOR, else MASTER_ADDR:MASTER_PORT (default empty)
+//   tls                LOOM_TLS_CERT, LOOM_TLS_KEY, LOOM_TLS_CA (default empty: plaintext)
 // A value that is not an integer, or a rank outside [0, world_size), is InvalidArgument
 // naming the variable.
 struct Topology {
@@ -51,6 +53,7 @@ struct Topology {
   std::string coordinator;  // "host:port", empty for a single process started by hand
   int64_t generation = 0;   // LOOM_GENERATION: >= 1 under `loom run` (+1 per restart), else 0
   std::string job_token;    // LOOM_JOB_TOKEN: presented to the coordinator
+  control::TlsFiles tls;    // how to reach the coordinator over TLS (`loom run --tls-*`)
 
   static Topology from_env();
   void validate() const;

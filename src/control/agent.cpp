@@ -172,6 +172,7 @@ class Agent {
           .address = options.coordinator.empty() ? "127.0.0.1:0" : options.coordinator,
           .allow_non_loopback = options.coordinator_public,
           .token = options.token,
+          .tls = options.tls,
           .min_nodes = options.min_nodes,
           .max_nodes = options.max_nodes,
           .last_call = options.last_call,
@@ -183,8 +184,10 @@ class Agent {
     } else {
       address_ = options.coordinator;
     }
-    client_ = std::make_unique<CoordinatorClient>(address_, options.token, milliseconds(10000));
-    store_ = std::make_unique<CoordinatorStore>(address_, options.token, milliseconds(10000));
+    client_ = std::make_unique<CoordinatorClient>(address_, options.token, milliseconds(10000),
+                                                  options.tls);
+    store_ = std::make_unique<CoordinatorStore>(address_, options.token, milliseconds(10000),
+                                                options.tls);
     advertise_ = advertise_address(address_);
     std::filesystem::create_directories(options.run_dir / "logs");
   }
@@ -298,6 +301,11 @@ class Agent {
         {"TORCHELASTIC_MAX_RESTARTS", s(options_.max_restarts)},
         {"TORCHELASTIC_RUN_ID", options_.run_id},
         {"TORCHELASTIC_USE_AGENT_STORE", "False"}};
+    if (options_.tls.enabled()) {  // the workers' store and heartbeat need them too
+      env["LOOM_TLS_CERT"] = options_.tls.cert.string();
+      env["LOOM_TLS_KEY"] = options_.tls.key.string();
+      env["LOOM_TLS_CA"] = options_.tls.ca.string();
+    }
     // torchrun's default: one OpenMP thread per worker when several share the node and the
     // user chose nothing (each worker would otherwise start one thread per core).
     if (std::getenv("OMP_NUM_THREADS") == nullptr && options_.nproc_per_node > 1)

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/control/tls.h"
+
 namespace loom::control {
 
 struct AgentOptions {
@@ -22,8 +24,12 @@ struct AgentOptions {
   bool host_coordinator = false;    // host it at `coordinator` (node 0 does)
   bool coordinator_public = false;  // allow listening beyond loopback (needs the token)
   std::string token;                // the job token; every RPC carries it
-  int max_restarts = 0;             // failures tolerated before the job fails
-  std::string run_id = "none";      // TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
+  // TLS (`--tls-cert/--tls-key/--tls-ca`): all three or none. The hosted coordinator serves
+  // cert/key and requires client certificates signed by ca (mutual TLS); this agent and its
+  // workers (LOOM_TLS_*) verify the coordinator against ca and present cert/key.
+  TlsFiles tls;
+  int max_restarts = 0;         // failures tolerated before the job fails
+  std::string run_id = "none";  // TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
   std::filesystem::path run_dir = "runs/loom-run";
   std::chrono::milliseconds grace{std::chrono::seconds(10)};  // SIGTERM -> SIGKILL
   std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(120)};

@@ -1,16 +1,17 @@
 #include "control/client.h"
 
 #include "control/auth.h"
+#include "control/tls.h"
 
 namespace loom::control {
 
 CoordinatorClient::CoordinatorClient(std::string address, std::string token,
-                                     std::chrono::milliseconds rpc_timeout)
+                                     std::chrono::milliseconds rpc_timeout, const TlsFiles& tls)
     : address_(std::move(address)),
       token_(std::move(token)),
       rpc_timeout_(rpc_timeout),
-      stub_(v1::Coordinator::NewStub(
-          grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {
+      tls_(tls.enabled()),
+      stub_(v1::Coordinator::NewStub(grpc::CreateChannel(address_, channel_credentials(tls)))) {
   LOOM_CHECK(address_.find(':') != std::string::npos, InvalidArgument, "coordinator address '",
              address_, "' is not host:port");
 }
@@ -34,7 +35,11 @@ void CoordinatorClient::check(const char* name, const grpc::Status& status,
     case grpc::StatusCode::DEADLINE_EXCEEDED:
       throw Timeout(detail::concat("the coordinator at ", address_, " did not answer ", name,
                                    " within ", (rpc_timeout_ + extra).count(),
-                                   " ms: is it running and reachable?"));
+                                   " ms: is it running and reachable?",
+                                   tls_ ? " With TLS, also check that its certificate is signed "
+                                          "by --tls-ca and names this address, and that it "
+                                          "accepts this node's certificate"
+                                        : " If it uses TLS, this client needs --tls-ca too"));
     case grpc::StatusCode::INVALID_ARGUMENT:
       throw InvalidArgument(
           detail::concat("coordinator ", address_, ": ", name, ": ", status.error_message()));

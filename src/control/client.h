@@ -10,6 +10,7 @@
 #include <string>
 
 #include "loom.grpc.pb.h"
+#include "loom/control/tls.h"
 #include "loom/error.h"
 
 namespace loom::control {
@@ -18,13 +19,16 @@ class CoordinatorClient {
  public:
   using Stub = loom::control::v1::Coordinator::Stub;
 
-  CoordinatorClient(std::string address, std::string token, std::chrono::milliseconds rpc_timeout);
+  // TLS when `tls` is enabled (control/tls.h says what it needs); its files are read here.
+  CoordinatorClient(std::string address, std::string token, std::chrono::milliseconds rpc_timeout,
+                    const TlsFiles& tls = {});
 
   const std::string& address() const { return address_; }
 
   // Calls stub method `method` ("Join") with a deadline of rpc_timeout + extra. Failures:
   // unreachable coordinator -> CommError naming its address, refused token -> CommError
-  // saying so, no answer in time -> Timeout naming the call.
+  // saying so, no answer in time -> Timeout naming the call (and, a TLS handshake failing
+  // looking the same to gRPC, the TLS files to check).
   template <typename Request, typename Reply>
   Reply call(const char* name,
              grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Reply*),
@@ -45,6 +49,7 @@ class CoordinatorClient {
   std::string address_;
   std::string token_;
   std::chrono::milliseconds rpc_timeout_;
+  bool tls_ = false;
   std::unique_ptr<Stub> stub_;
 };
 

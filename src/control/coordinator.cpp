@@ -13,6 +13,7 @@
 
 #include "control/auth.h"
 #include "control/membership.h"
+#include "control/tls.h"
 #include "loom.grpc.pb.h"
 #include "loom/comm/store.h"
 #include "loom/error.h"
@@ -137,14 +138,17 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     }
     grpc::ServerBuilder builder;
     int port = 0;
-    builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &port);
+    builder.AddListeningPort(options.address, server_credentials(options.tls), &port);
     builder.RegisterService(this);
     grpc::ResourceQuota quota("loom-coordinator");
     quota.SetMaxThreads(512);
     builder.SetResourceQuota(quota);
     server = builder.BuildAndStart();
     LOOM_CHECK(server != nullptr && port != 0, IoError, "the coordinator cannot listen on ",
-               options.address, " (address in use or not local?)");
+               options.address,
+               options.tls.enabled() ? " (address in use or not local, or the TLS key does not "
+                                       "match the certificate?)"
+                                     : " (address in use or not local?)");
     address = options.address.substr(0, options.address.rfind(':') + 1) + std::to_string(port);
     monitor = std::thread([this] { monitor_loop(); });
   }

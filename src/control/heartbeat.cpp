@@ -28,7 +28,8 @@ struct Heartbeat::Impl {
   std::thread thread;
 
   explicit Impl(HeartbeatOptions o)
-      : options(std::move(o)), client(options.address, options.token, std::chrono::seconds(5)) {
+      : options(std::move(o)),
+        client(options.address, options.token, std::chrono::seconds(5), options.tls) {
     thread = std::thread([this] { loop(); });
   }
 

@@ -11,11 +11,14 @@
 
 #include <spdlog/spdlog.h>
 
+#include "loom/control/tls.h"
+
 namespace loom::control {
 
 struct HeartbeatOptions {
   std::string address;  // the coordinator
   std::string token;
+  TlsFiles tls;  // as the coordinator needs (LOOM_TLS_* under `loom run`)
   int rank = 0;
   int64_t generation = 0;
   std::chrono::milliseconds interval{std::chrono::seconds(1)};

@@ -12,8 +12,8 @@ struct CoordinatorStore::Impl {
 };
 
 CoordinatorStore::CoordinatorStore(const std::string& address, const std::string& token,
-                                   milliseconds rpc_timeout)
-    : impl_(std::make_unique<Impl>(Impl{CoordinatorClient(address, token, rpc_timeout)})) {}
+                                   milliseconds rpc_timeout, const TlsFiles& tls)
+    : impl_(std::make_unique<Impl>(Impl{CoordinatorClient(address, token, rpc_timeout, tls)})) {}
 
 CoordinatorStore::~CoordinatorStore() = default;
 

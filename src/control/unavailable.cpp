@@ -22,7 +22,7 @@ std::string generate_token() { unavailable(); }
 
 struct CoordinatorStore::Impl {};
 CoordinatorStore::CoordinatorStore(const std::string&, const std::string&,
-                                   std::chrono::milliseconds) {
+                                   std::chrono::milliseconds, const TlsFiles&) {
   unavailable();
 }
 CoordinatorStore::~CoordinatorStore() = default;

@@ -2,6 +2,7 @@
 // workers on failure, continues at a smaller world size when a node is lost (elastic), and
 // reads its layout from Slurm's environment when there. docs/launcher.md.
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -29,6 +30,7 @@ struct RunArgs {
   double node_timeout_s = 5;
   double worker_timeout_s = 60;
   double last_call_s = 2;
+  std::string tls_cert, tls_key, tls_ca;
   std::vector<std::string> program;
 };
 
@@ -116,6 +118,17 @@ int run(RunArgs args) {
   }
   LOOM_CHECK(!o.token.empty() || !o.coordinator_public, InvalidArgument,
              "a public coordinator needs the job token: set LOOM_JOB_TOKEN on every node");
+  // TLS is mutual under `loom run`: every node has a certificate signed by the job's CA.
+  const int tls_given = !args.tls_cert.empty() + !args.tls_key.empty() + !args.tls_ca.empty();
+  LOOM_CHECK(tls_given == 0 || tls_given == 3, InvalidArgument,
+             "TLS needs all of --tls-cert, --tls-key and --tls-ca on every node; missing:",
+             args.tls_cert.empty() ? " --tls-cert" : "", args.tls_key.empty() ? " --tls-key" : "",
+             args.tls_ca.empty() ? " --tls-ca" : "");
+  if (tls_given == 3) {
+    // Absolute, since the workers get them too (LOOM_TLS_*) and may change directory.
+    o.tls = {std::filesystem::absolute(args.tls_cert), std::filesystem::absolute(args.tls_key),
+             std::filesystem::absolute(args.tls_ca)};
+  }
   o.max_restarts = args.max_restarts;
   o.run_id = args.run_id;
   o.run_dir = args.run_dir;
@@ -187,6 +200,13 @@ void register_run(CLI::App& app, Action& action) {
       ->add_option("--last-call", args->last_call_s,
                    "elastic: seconds to wait for more nodes once MIN have joined")
       ->capture_default_str();
+  run_cmd->add_option("--tls-cert", args->tls_cert,
+                      "TLS: this node's PEM certificate (the coordinator's on the node hosting "
+                      "it, the client's on every node); with --tls-key and --tls-ca");
+  run_cmd->add_option("--tls-key", args->tls_key, "TLS: the PEM private key of --tls-cert");
+  run_cmd->add_option("--tls-ca", args->tls_ca,
+                      "TLS: the PEM certificate of the CA that signed every node's certificate; "
+                      "the coordinator and its clients verify each other against it");
   run_cmd->add_option("program", args->program, "the program and its arguments (after --)")
       ->required();
   run_cmd->footer(
@@ -198,6 +218,8 @@ void register_run(CLI::App& app, Action& action) {
       "  node 1: LOOM_JOB_TOKEN=<printed by node 0> loom run --nnodes 2 --node-rank 1 "
       "--coordinator 10.0.0.1:29400 -- prog\n"
       "  torchrun's programs: loom run --nproc_per_node 2 -- python3 train.py\n"
+      "  TLS (mutual): add --tls-cert node.pem --tls-key node.key --tls-ca ca.pem on every "
+      "node\n"
       "Each worker gets LOOM_RANK, LOOM_WORLD_SIZE, LOOM_LOCAL_RANK, LOOM_COORDINATOR, "
       "LOOM_GENERATION,\n"
       "LOOM_JOB_TOKEN and torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "

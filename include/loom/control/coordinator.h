@@ -11,6 +11,8 @@
 #include <memory>
 #include <string>
 
+#include "loom/control/tls.h"
+
 namespace loom::control {
 
 struct CoordinatorOptions {
@@ -21,6 +23,9 @@ struct CoordinatorOptions {
   bool allow_non_loopback = false;
   // When non-empty, every call must carry it in the "loom-token" metadata entry.
   std::string token;
+  // TLS: with cert and key, it serves TLS only (plaintext clients are refused); with ca too,
+  // clients must present a certificate signed by it (mutual TLS). See TlsFiles.
+  TlsFiles tls;
   int min_nodes = 1;  // a rendezvous round closes once this many agents joined and ...
   int max_nodes = 1;  // ... this many joined, or last_call passed since min_nodes was reached
   std::chrono::milliseconds last_call{std::chrono::seconds(2)};
@@ -39,7 +44,8 @@ struct CoordinatorOptions {
 // The running server. Thread-safe; the destructor shuts it down (blocked calls return).
 class Coordinator {
  public:
-  // Starts listening. Bad options are InvalidArgument; an address it cannot bind is IoError.
+  // Starts listening. Bad options are InvalidArgument; an address it cannot bind, or a TLS
+  // file it cannot read, is IoError.
   explicit Coordinator(CoordinatorOptions options);
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;

@@ -8,16 +8,20 @@
 #include <string>
 
 #include "loom/comm/store.h"
+#include "loom/control/tls.h"
 
 namespace loom::control {
 
 // Thread-safe, like every Store. Each call is one RPC; blocking calls wait on the server side
 // up to their timeout. An unreachable coordinator is CommError naming its address; a refused
-// token is CommError saying so; a wait past its timeout is Timeout naming the keys.
+// token is CommError saying so; a wait past its timeout is Timeout naming the keys. With `tls`
+// (see TlsFiles) the channel is TLS, and a coordinator that cannot be verified, or that
+// refuses this client's certificate, answers nothing: Timeout, naming TLS among the causes.
 class CoordinatorStore final : public comm::Store {
  public:
   CoordinatorStore(const std::string& address, const std::string& token,
-                   std::chrono::milliseconds rpc_timeout = std::chrono::seconds(60));
+                   std::chrono::milliseconds rpc_timeout = std::chrono::seconds(60),
+                   const TlsFiles& tls = {});
   ~CoordinatorStore() override;
   using comm::Store::get;
   using comm::Store::wait;

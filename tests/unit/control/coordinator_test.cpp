@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "control/client.h"
+#include "harness/certs.h"
 #include "harness/harness.h"
 #include "loom/control/store.h"
 #include "loom/error.h"
@@ -19,6 +20,7 @@ namespace {
 
 using std::chrono::milliseconds;
 using testing::error_of;
+using testing::TempDir;
 
 TEST(Coordinator, RefusesAWrongOrMissingToken) {
   Coordinator coordinator({.token = "secret"});
@@ -176,6 +178,127 @@ TEST(Coordinator, OutOfRangeRequestFieldsAreInvalidArgumentNamingThem) {
   get.set_key("never");
   get.set_timeout_ms(INT64_MIN);  // negative: do not wait
   EXPECT_FALSE(client.call("Get", &CoordinatorClient::Stub::Get, get).found());
+}
+
+// ---- TLS, with certificates the test makes (openssl) ----
+
+class CoordinatorTls : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!testing::have_openssl()) GTEST_SKIP() << "no openssl (tools/install-deps.sh)";
+    ca_ = std::make_unique<testing::TestCa>(dir_.path(), "job");
+    server_ = ca_->issue("server", {"127.0.0.1"});
+    client_ = ca_->issue("client", {"127.0.0.1"});
+  }
+  // A coordinator with the job CA's server certificate; `mutual`: clients need one too.
+  std::unique_ptr<Coordinator> start(bool mutual) {
+    return std::make_unique<Coordinator>(CoordinatorOptions{
+        .token = "t",
+        .tls = {server_.cert, server_.key, mutual ? ca_->cert() : std::filesystem::path()}});
+  }
+  TlsFiles client_tls() const { return {client_.cert, client_.key, ca_->cert()}; }
+
+  TempDir dir_;
+  std::unique_ptr<testing::TestCa> ca_;
+  testing::TestCa::Issued server_, client_;
+};
+
+TEST_F(CoordinatorTls, AClientWithACertificateOfTheJobsCaIsServed) {
+  auto coordinator = start(true);
+  CoordinatorStore store(coordinator->address(), "t", milliseconds(5000), client_tls());
+  store.set("k", "over tls");
+  EXPECT_EQ(store.get("k", milliseconds(100)), "over tls");
+  // The token is still checked under TLS.
+  CoordinatorStore no_token(coordinator->address(), "", milliseconds(5000), client_tls());
+  EXPECT_THROW(no_token.set("k", "w"), CommError);
+}
+
+// What a refused client sees: gRPC reports a failed handshake as a coordinator that never
+// answers (the client waits for the channel to become ready), hence Timeout, whose message
+// names TLS among the causes. A client with `good` files then finds that the coordinator
+// kept nothing from it.
+void expect_refused(const std::string& address, const TlsFiles& tls, const std::string& hint,
+                    const TlsFiles* good) {
+  CoordinatorStore store(address, "t", milliseconds(1500), tls);
+  const std::string message = error_of<Timeout>([&] { store.set("intruder", "x"); });
+  EXPECT_EQ(message, "the coordinator at " + address + " did not answer Set within 1500 ms: is " +
+                         "it running and reachable?" + hint);
+  if (good == nullptr) return;
+  CoordinatorStore check(address, "t", milliseconds(5000), *good);
+  EXPECT_FALSE(check.check({"intruder"}));
+}
+
+const std::string kTlsHint =
+    " With TLS, also check that its certificate is signed by --tls-ca and names this address, "
+    "and that it accepts this node's certificate";
+
+TEST_F(CoordinatorTls, APlaintextClientIsRefused) {
+  auto coordinator = start(true);
+  const TlsFiles good = client_tls();
+  expect_refused(coordinator->address(), {}, " If it uses TLS, this client needs --tls-ca too",
+                 &good);
+}
+
+TEST_F(CoordinatorTls, AClientWhoseCertificateAnotherCaSignedIsRefused) {
+  auto coordinator = start(true);
+  testing::TestCa other(dir_.path(), "other");
+  const auto intruder = other.issue("intruder", {"127.0.0.1"});
+  // It trusts the job's CA (so it would accept the coordinator), but the coordinator does not
+  // accept it; nor one without any certificate.
+  const TlsFiles good = client_tls();
+  expect_refused(coordinator->address(), {intruder.cert, intruder.key, ca_->cert()}, kTlsHint,
+                 &good);
+  expect_refused(coordinator->address(), {{}, {}, ca_->cert()}, kTlsHint, &good);
+}
+
+TEST_F(CoordinatorTls, AClientWithoutTheJobsCaDoesNotTrustTheCoordinator) {
+  auto coordinator = start(false);  // even without mutual TLS
+  testing::TestCa other(dir_.path(), "other");
+  const TlsFiles good{{}, {}, ca_->cert()};
+  expect_refused(coordinator->address(), {{}, {}, other.cert()}, kTlsHint, &good);
+  // With the job's CA and no certificate of its own, it is served: TLS one way.
+  CoordinatorStore one_way(coordinator->address(), "t", milliseconds(5000), {{}, {}, ca_->cert()});
+  one_way.set("k", "v");
+  EXPECT_EQ(one_way.get("k", milliseconds(100)), "v");
+}
+
+TEST_F(CoordinatorTls, ACertificateThatDoesNotNameTheAddressIsNotTrusted) {
+  const auto elsewhere = ca_->issue("elsewhere", {"10.9.9.9"});
+  Coordinator coordinator({.token = "t", .tls = {elsewhere.cert, elsewhere.key, {}}});
+  // Its CA is the job's, but it is for 10.9.9.9, not the 127.0.0.1 dialled.
+  expect_refused(coordinator.address(), {{}, {}, ca_->cert()}, kTlsHint, nullptr);
+}
+
+TEST_F(CoordinatorTls, MissingOrMalformedFilesAreErrorsNamingTheFile) {
+  const std::filesystem::path missing = dir_ / "missing.pem";
+  std::string message = error_of<IoError>([&] {
+    Coordinator({.tls = {missing, server_.key, ca_->cert()}});
+  });
+  EXPECT_EQ(message, "cannot read the TLS certificate (--tls-cert) \"" + missing.string() +
+                         "\": No such file or directory");
+  message = error_of<IoError>([&] {
+    CoordinatorStore("127.0.0.1:1", "", milliseconds(100),
+                     {client_.cert, client_.key, dir_.path()});
+  });
+  EXPECT_EQ(message, "cannot read the TLS CA certificate (--tls-ca) \"" + dir_.path().string() +
+                         "\": it is a directory");
+  // A certificate given as the key: not a private key.
+  message = error_of<InvalidArgument>([&] {
+    Coordinator({.tls = {server_.cert, server_.cert, ca_->cert()}});
+  });
+  EXPECT_EQ(message, "the TLS private key (--tls-key) \"" + server_.cert.string() +
+                         "\" is not a PEM file with a PRIVATE KEY block (-----BEGIN ...PRIVATE "
+                         "KEY-----)");
+  message = error_of<InvalidArgument>([&] { Coordinator({.tls = {{}, {}, ca_->cert()}}); });
+  EXPECT_EQ(message,
+            "a coordinator with TLS needs its certificate and private key (--tls-cert and "
+            "--tls-key)");
+  message = error_of<InvalidArgument>([&] {
+    CoordinatorStore("127.0.0.1:1", "", milliseconds(100), {client_.cert, client_.key, {}});
+  });
+  EXPECT_EQ(message,
+            "a client with TLS needs the CA certificate that verifies the coordinator "
+            "(--tls-ca)");
 }
 
 }  // namespace
