@@ -149,9 +149,9 @@ TEST_F(CudaCheckpoint, GpuZeroStateReshardsOntoCpuRanks) {
     for (const auto& entry : state.tensors) {
       const torch::Tensor& global = saved.at(entry.name);
       if (entry.sharding.kind == Sharding::Kind::kFlat) {
-        EXPECT_TRUE(torch::equal(entry.tensor.reshape(-1),
-                                 global.narrow(0, entry.sharding.begin,
-                                               entry.sharding.end - entry.sharding.begin)))
+        EXPECT_TRUE(torch::equal(
+            entry.tensor.reshape(-1),
+            global.narrow(0, entry.sharding.begin, entry.sharding.end - entry.sharding.begin)))
             << entry.name << " on rank " << r.rank;
       } else {
         EXPECT_TRUE(torch::equal(entry.tensor.reshape(-1), global)) << entry.name;
