@@ -4,10 +4,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <limits>
-#include <nlohmann/json.hpp>
-#include <type_traits>
-
+#include "data/chunk_check.h"
+#include "data/manifest.h"
 #include "data/shard_format.h"
 #include "loom/error.h"
 #include "util/fd.h"
@@ -17,130 +15,7 @@
 namespace loom::data {
 namespace {
 
-using nlohmann::json;
 namespace fs = std::filesystem;
-
-const char* kind_name(DatasetKind kind) {
-  return kind == DatasetKind::kTokens ? "tokens" : "records";
-}
-
-// The manifest as JSON, without "version": the bytes the version hashes.
-json content_json(const Manifest& m) {
-  json j = json::object();
-  j["format"] = "loom-dataset";
-  j["format_version"] = Manifest::kFormatVersion;
-  j["kind"] = kind_name(m.kind);
-  j["description"] = m.description;
-  json shards = json::array();
-  for (const ShardInfo& s : m.shards) {
-    json e = {{"file", s.file}, {"bytes", s.bytes}, {"xxhash64", util::hash_hex(s.xxhash64)}};
-    if (m.kind == DatasetKind::kTokens) {
-      e["tokens"] = s.items;
-      e["documents"] = s.documents;
-    } else {
-      e["records"] = s.items;
-    }
-    shards.push_back(std::move(e));
-  }
-  j["shards"] = std::move(shards);
-  if (m.kind == DatasetKind::kTokens) {
-    j["vocab_size"] = m.vocab_size;
-    j["eos_id"] = m.eos_id;
-    j["tokenizer"] = m.tokenizer;
-  } else {
-    json schema = json::array();
-    for (const Field& f : m.schema) {
-      json e = {{"name", f.name}, {"type", format::field_type_name(f.type)}};
-      if (f.type == FieldType::kTensor) {
-        e["dtype"] = f.dtype;
-        e["shape"] = f.shape;
-      }
-      if (!f.classes.empty()) e["classes"] = f.classes;
-      schema.push_back(std::move(e));
-    }
-    j["schema"] = std::move(schema);
-  }
-  return j;
-}
-
-std::string version_of(const Manifest& m) {
-  return util::hash_hex(util::xxh64(content_json(m).dump()));
-}
-
-// j[key] as T. nlohmann converts between number kinds silently (-5 read as uint64_t is
-// 2^64 - 5, 2^40 read as int is 0), so an integer must be one and fit T.
-template <typename T>
-T get(const json& j, const char* key, const fs::path& file) {
-  try {
-    const json& value = j.at(key);
-    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-      using Limits = std::numeric_limits<T>;
-      bool fits = false;
-      if (value.is_number_unsigned()) {
-        fits = value.get<uint64_t>() <= static_cast<uint64_t>(Limits::max());
-      } else if (value.is_number_integer()) {  // negative
-        if constexpr (std::is_signed_v<T>) fits = value.get<int64_t>() >= Limits::min();
-      }
-      LOOM_CHECK(fits, CorruptData, file.string(), ": field \"", key, "\" is ", value.dump(),
-                 ", not ", std::is_unsigned_v<T> ? "a non-negative integer" : "an integer");
-    }
-    return value.get<T>();
-  } catch (const json::exception& e) {
-    throw CorruptData(detail::concat(file.string(), ": field \"", key,
-                                     "\" is missing or has the wrong type (", e.what(), ")"));
-  }
-}
-
-Manifest parse_manifest(const json& j, const fs::path& file) {
-  LOOM_CHECK(j.is_object() && j.contains("format") && j["format"] == "loom-dataset", CorruptData,
-             file.string(), " is not a Loom dataset manifest");
-  const int version = get<int>(j, "format_version", file);
-  LOOM_CHECK(version == Manifest::kFormatVersion, CorruptData, file.string(),
-             " has format version ", version, "; this Loom reads version ",
-             Manifest::kFormatVersion, ": rebuild the dataset with this Loom's `loom data build`");
-  Manifest m;
-  const std::string kind = get<std::string>(j, "kind", file);
-  LOOM_CHECK(kind == "tokens" || kind == "records", CorruptData, file.string(), ": unknown kind '",
-             kind, "'");
-  m.kind = kind == "tokens" ? DatasetKind::kTokens : DatasetKind::kRecords;
-  m.version = get<std::string>(j, "version", file);
-  m.description = get<std::string>(j, "description", file);
-  for (const json& e : get<json>(j, "shards", file)) {
-    ShardInfo s;
-    s.file = get<std::string>(e, "file", file);
-    util::check_plain_file_name(s.file, file.string(), "shard file name");
-    s.bytes = get<uint64_t>(e, "bytes", file);
-    s.xxhash64 = util::parse_hash_hex(get<std::string>(e, "xxhash64", file),
-                                      file.string() + " shard " + s.file);
-    if (m.kind == DatasetKind::kTokens) {
-      s.items = get<uint64_t>(e, "tokens", file);
-      s.documents = get<uint64_t>(e, "documents", file);
-    } else {
-      s.items = get<uint64_t>(e, "records", file);
-    }
-    m.shards.push_back(std::move(s));
-  }
-  if (m.kind == DatasetKind::kTokens) {
-    m.vocab_size = get<uint64_t>(j, "vocab_size", file);
-    m.eos_id = get<int64_t>(j, "eos_id", file);
-    m.tokenizer = get<std::string>(j, "tokenizer", file);
-    if (!m.tokenizer.empty())
-      util::check_plain_file_name(m.tokenizer, file.string(), "tokenizer file name");
-  } else {
-    for (const json& e : get<json>(j, "schema", file)) {
-      Field f;
-      f.name = get<std::string>(e, "name", file);
-      f.type = format::parse_field_type(get<std::string>(e, "type", file));
-      if (f.type == FieldType::kTensor) {
-        f.dtype = get<std::string>(e, "dtype", file);
-        f.shape = get<std::vector<int64_t>>(e, "shape", file);
-      }
-      if (e.contains("classes")) f.classes = get<std::vector<std::string>>(e, "classes", file);
-      m.schema.push_back(std::move(f));
-    }
-  }
-  return m;
-}
 
 // Prepares an output directory: created if missing; one that already holds a dataset is refused.
 void prepare_output_dir(const fs::path& dir) {
@@ -152,12 +27,14 @@ void prepare_output_dir(const fs::path& dir) {
 }
 
 // One shard being written: a 64-byte header slot, buffered appends, then the header is filled
-// in, the file fsynced and renamed from its temporary name. Yields its ShardInfo.
+// in, the file fsynced and renamed from its temporary name. Yields its ShardInfo with its
+// whole-file and chunk hashes.
 class ShardFile {
  public:
-  ShardFile(fs::path dir, std::string name)
+  ShardFile(fs::path dir, std::string name, uint64_t chunk_bytes)
       : dir_(std::move(dir)),
         name_(std::move(name)),
+        chunk_bytes_(chunk_bytes),
         tmp_(dir_ / (name_ + ".tmp")),
         fd_(LOOM_CHECK_SYS(::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
                            "creating ", tmp_.string())) {
@@ -185,6 +62,7 @@ class ShardFile {
     info.file = name_;
     info.bytes = file.size();
     info.xxhash64 = util::xxh64(file.data(), file.size());
+    info.chunk_hashes = format::chunk_hashes(file.data(), file.size(), chunk_bytes_);
     return info;
   }
 
@@ -202,6 +80,7 @@ class ShardFile {
 
   fs::path dir_;
   std::string name_;
+  uint64_t chunk_bytes_;
   fs::path tmp_;
   util::UniqueFd fd_;
   std::string buffer_;
@@ -215,12 +94,13 @@ std::string shard_name(const char* prefix, size_t index) {
 }
 
 Manifest commit_manifest(const fs::path& dir, Manifest m) {
-  util::fsync_dir(dir);
-  m.version = version_of(m);
-  json j = content_json(m);
-  j["version"] = m.version;
-  util::write_file_atomic(dir / format::kManifestFile, j.dump(2) + "\n");
+  format::write_manifest(dir, m);
   return m;
+}
+
+void check_chunk_bytes(uint64_t chunk_bytes) {
+  LOOM_CHECK(chunk_bytes >= 64 && chunk_bytes <= (uint64_t{1} << 30), InvalidArgument,
+             "chunk_bytes must be in [64, 2^30], got ", chunk_bytes);
 }
 
 }  // namespace
@@ -251,26 +131,6 @@ const Field& Manifest::field(const std::string& name) const {
   }
   throw InvalidArgument(
       detail::concat("the dataset has no field '", name, "'; its fields: ", known));
-}
-
-Manifest read_manifest(const fs::path& dir) {
-  LOOM_CHECK(fs::is_directory(dir), IoError, "dataset directory ", dir.string(),
-             " does not exist; build one with `loom data build`");
-  const fs::path file = dir / format::kManifestFile;
-  LOOM_CHECK(fs::exists(file), IoError, dir.string(),
-             " has no manifest.json: it is not a dataset, or its build did not finish; rebuild it");
-  json j;
-  try {
-    j = json::parse(util::read_file(file));
-  } catch (const json::parse_error& e) {
-    throw CorruptData(detail::concat(file.string(), " is not valid JSON: ", e.what()));
-  }
-  Manifest m = parse_manifest(j, file);
-  const std::string expected = version_of(m);
-  LOOM_CHECK(m.version == expected, CorruptData, file.string(),
-             " was edited: its content hashes to ", expected, " but it claims version ", m.version,
-             "; rebuild the dataset");
-  return m;
 }
 
 // ---- Record ----
@@ -337,6 +197,10 @@ TokenDatasetWriter::TokenDatasetWriter(fs::path dir, TokenWriterOptions options)
   LOOM_CHECK(options.eos_id < static_cast<int64_t>(options.vocab_size), InvalidArgument, "eos_id ",
              options.eos_id, " is not below vocab_size ", options.vocab_size);
   LOOM_CHECK(options.tokens_per_shard >= 1, InvalidArgument, "tokens_per_shard must be >= 1");
+  check_chunk_bytes(options.chunk_bytes);
+  if (options.tokenizer_files.empty() && !options.tokenizer.empty()) {
+    options.tokenizer_files = {options.tokenizer};
+  }
   prepare_output_dir(dir);
   impl_->dir = std::move(dir);
   impl_->token_bytes = format::token_bytes_for(options.vocab_size);
@@ -344,6 +208,7 @@ TokenDatasetWriter::TokenDatasetWriter(fs::path dir, TokenWriterOptions options)
   impl_->manifest.vocab_size = options.vocab_size;
   impl_->manifest.eos_id = options.eos_id;
   impl_->manifest.tokenizer = options.tokenizer;
+  impl_->manifest.chunk_bytes = options.chunk_bytes;
   impl_->manifest.description = options.description;
   impl_->options = std::move(options);
 }
@@ -355,7 +220,8 @@ void TokenDatasetWriter::add_document(const uint32_t* tokens, size_t count) {
   const size_t total = count + (w.options.eos_id >= 0 ? 1 : 0);
   if (total == 0) return;
   if (!w.shard) {
-    w.shard = std::make_unique<ShardFile>(w.dir, shard_name("tokens", w.manifest.shards.size()));
+    w.shard = std::make_unique<ShardFile>(w.dir, shard_name("tokens", w.manifest.shards.size()),
+                                          w.options.chunk_bytes);
   }
   auto put = [&](uint32_t t) {
     LOOM_CHECK(t < w.options.vocab_size, InvalidArgument, "token id ", t, " in document ",
@@ -382,6 +248,12 @@ Manifest TokenDatasetWriter::finish() {
   impl_->close_shard();
   LOOM_CHECK(!impl_->manifest.shards.empty(), InvalidArgument,
              "the dataset has no tokens: add at least one document before finish()");
+  for (const std::string& name : impl_->options.tokenizer_files) {
+    LOOM_CHECK(util::is_plain_file_name(name) && fs::exists(impl_->dir / name), InvalidArgument,
+               "tokenizer file '", name, "' is not a file in ", impl_->dir.string(),
+               "; copy it there before finish()");
+    impl_->manifest.tokenizer_files.push_back(format::describe_file(impl_->dir, name));
+  }
   return commit_manifest(impl_->dir, impl_->manifest);
 }
 
@@ -426,10 +298,12 @@ RecordDatasetWriter::RecordDatasetWriter(fs::path dir, std::vector<Field> schema
     }
     if (f.type == FieldType::kTensor) format::dtype_size(f.dtype);
   }
+  check_chunk_bytes(options.chunk_bytes);
   prepare_output_dir(dir);
   impl_->dir = std::move(dir);
   impl_->manifest.kind = DatasetKind::kRecords;
   impl_->manifest.schema = std::move(schema);
+  impl_->manifest.chunk_bytes = options.chunk_bytes;
   impl_->manifest.description = options.description;
   impl_->options = std::move(options);
 }
@@ -441,7 +315,8 @@ void RecordDatasetWriter::add(const Record& record) {
   w.payload.clear();
   format::encode_record(w.manifest.schema, record, w.payload);
   if (!w.shard) {
-    w.shard = std::make_unique<ShardFile>(w.dir, shard_name("records", w.manifest.shards.size()));
+    w.shard = std::make_unique<ShardFile>(w.dir, shard_name("records", w.manifest.shards.size()),
+                                          w.options.chunk_bytes);
   }
   w.offsets.push_back(w.shard->size());
   const uint64_t hash = util::xxh64(w.payload);
@@ -462,6 +337,40 @@ Manifest RecordDatasetWriter::finish() {
 
 // ---- verify ----
 
+namespace {
+
+// Hashes `file` piece by piece: each chunk against its manifest hash (format 2), and the whole
+// file against the shard's. Returns "" or the problem, setting *bad_offset to the bad chunk.
+std::string hash_shard(const util::MappedFile& file, const ShardInfo& info, uint64_t chunk_bytes,
+                       int64_t* bad_offset, const std::function<void(uint64_t)>& advance) {
+  const bool chunked = !info.chunk_hashes.empty();
+  const uint64_t piece = chunked ? chunk_bytes : (64u << 20);
+  util::Hasher64 hasher;
+  for (uint64_t at = 0, c = 0; at < file.size(); at += piece, ++c) {
+    const uint64_t n = std::min<uint64_t>(piece, file.size() - at);
+    hasher.update(file.data() + at, n);
+    if (chunked) {
+      const uint64_t h = util::xxh64(file.data() + at, n);
+      if (h != info.chunk_hashes[c]) {
+        *bad_offset = static_cast<int64_t>(at);
+        return detail::concat("chunk ", c, " (bytes ", at, " to ", at + n, ") has xxHash64 ",
+                              util::hash_hex(h), " but the manifest says ",
+                              util::hash_hex(info.chunk_hashes[c]),
+                              ": the file changed after the build; restore or rebuild it");
+      }
+    }
+    advance(n);
+  }
+  if (hasher.digest() != info.xxhash64) {
+    return detail::concat("its xxHash64 is ", util::hash_hex(hasher.digest()),
+                          " but the manifest says ", util::hash_hex(info.xxhash64),
+                          ": the file changed after the build; restore or rebuild it");
+  }
+  return "";
+}
+
+}  // namespace
+
 VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
   const Manifest m = read_manifest(dir);
   VerifyReport report;
@@ -471,6 +380,17 @@ VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
     report.file = std::move(file);
     report.problem = std::move(problem);
     return report;
+  };
+  for (const FileInfo& f : m.tokenizer_files) {
+    try {
+      format::check_file(dir, f, "tokenizer file");
+    } catch (const Error& e) {
+      return fail((dir / f.file).string(), e.what());
+    }
+  }
+  auto advance = [&](uint64_t n) {
+    report.bytes_checked += n;
+    if (progress) progress(report.bytes_checked, total);
   };
   for (const ShardInfo& info : m.shards) {
     const std::string path = (dir / info.file).string();
@@ -502,20 +422,8 @@ VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
           }
         }
       }
-      util::Hasher64 hasher;
-      constexpr size_t kChunk = 64u << 20;
-      for (size_t at = 0; at < file->size(); at += kChunk) {
-        const size_t n = std::min(kChunk, file->size() - at);
-        hasher.update(file->data() + at, n);
-        report.bytes_checked += n;
-        if (progress) progress(report.bytes_checked, total);
-      }
-      if (hasher.digest() != info.xxhash64) {
-        return fail(path,
-                    detail::concat("its xxHash64 is ", util::hash_hex(hasher.digest()),
-                                   " but the manifest says ", util::hash_hex(info.xxhash64),
-                                   ": the file changed after the build; restore or rebuild it"));
-      }
+      const std::string bad = hash_shard(*file, info, m.chunk_bytes, &report.offset, advance);
+      if (!bad.empty()) return fail(path, bad);
     } catch (const CorruptData& e) {
       return fail(path, e.what());
     } catch (const IoError& e) {

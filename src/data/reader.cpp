@@ -12,7 +12,9 @@
 #include <mutex>
 #include <thread>
 
+#include "data/chunk_check.h"
 #include "data/shard_format.h"
+#include "loom/data/registry.h"
 #include "loom/error.h"
 #include "util/hash.h"
 
@@ -46,10 +48,12 @@ void widen(const uint8_t* src, size_t count, int64_t* out) {
 // read() may use it concurrently.
 class Source {
  public:
-  Source(const fs::path& dir, const ReaderOptions& options)
-      : manifest_(read_manifest(dir)), options_(options) {
+  Source(ResolvedDataset dataset, const ReaderOptions& options)
+      : dataset_(std::move(dataset)), manifest_(read_manifest(dataset_.dir)), options_(options) {
+    const fs::path& dir = dataset_.dir;
     LOOM_CHECK(options.batch_size >= 1, InvalidArgument, "batch_size must be >= 1, got ",
                options.batch_size);
+    check_tokenizer_files(dir, manifest_);
     uint64_t begin = 0, doc_begin = 0;
     for (const ShardInfo& info : manifest_.shards) {
       if (options.verify_hashes) check_hash(dir, info);
@@ -62,6 +66,11 @@ class Source {
       } else {
         records_.emplace_back(dir, info);
       }
+    }
+    for (size_t s = 0; s < tokens_.size() && options.verify_chunks; ++s) {
+      const util::MappedFile& file = tokens_[s].file();
+      checkers_.emplace_back(file.data(), file.size(), manifest_.chunk_bytes,
+                             manifest_.shards[s].chunk_hashes, file.path());
     }
     if (is_tokens()) {
       LOOM_CHECK(options.seq_len >= 1, InvalidArgument,
@@ -79,8 +88,14 @@ class Source {
     LOOM_CHECK(num_samples_ >= 1, InvalidArgument, dir.string(), " holds no samples");
   }
 
+  const ResolvedDataset& dataset() const { return dataset_; }
   const Manifest& manifest() const { return manifest_; }
   uint64_t num_samples() const { return num_samples_; }
+  uint64_t chunks_verified() const {
+    uint64_t n = 0;
+    for (const format::ChunkChecker& c : checkers_) n += c.chunks_verified();
+    return n;
+  }
 
   Batch read(const std::vector<uint64_t>& indices) const {
     Batch batch;
@@ -113,6 +128,10 @@ class Source {
       const uint64_t local = offset - begins_[s];
       const size_t n = static_cast<size_t>(std::min<uint64_t>(count, shard.num_tokens() - local));
       const uint8_t* src = shard.tokens() + local * shard.token_bytes();
+      if (!checkers_.empty()) {
+        checkers_[s].check(sizeof(format::TokenHeader) + local * shard.token_bytes(),
+                           n * shard.token_bytes());
+      }
       if (shard.token_bytes() == 2) {
         widen<uint16_t>(src, n, out);
       } else {
@@ -139,6 +158,7 @@ class Source {
       for (int64_t r = 0; r < rows; ++r) {
         const size_t s = shard_of(doc_begins_, indices[r]);
         const uint64_t d = indices[r] - doc_begins_[s];
+        if (!checkers_.empty()) checkers_[s].check(tokens_[s].index_offset() + 8 * d, 16);
         const uint64_t begin = tokens_[s].doc_offset(d), end = tokens_[s].doc_offset(d + 1);
         const int64_t n = std::min<int64_t>(width, static_cast<int64_t>(end - begin));
         copy_tokens(begins_[s] + begin, static_cast<size_t>(n), out + r * width);
@@ -210,12 +230,16 @@ class Source {
     }
   }
 
+  ResolvedDataset dataset_;
   Manifest manifest_;
   ReaderOptions options_;
   std::vector<uint64_t> begins_;      // first global item (token or record) of each shard
   std::vector<uint64_t> doc_begins_;  // token datasets: first global document of each shard
   std::vector<format::TokenShard> tokens_;
   std::vector<format::RecordShard> records_;
+  // Token shards' chunk checks (empty when options_.verify_chunks is off). Record shards need
+  // none: every record carries its own checksum.
+  std::vector<format::ChunkChecker> checkers_;
   uint64_t num_samples_ = 0;
 };
 
@@ -259,8 +283,10 @@ struct Reader::Impl {
   bool stop = false;
   std::thread prefetcher;
 
-  Impl(const fs::path& dir, ReaderOptions opts)
-      : options(opts), source(dir, opts), sampler(sampler_options(opts, source)) {
+  Impl(const fs::path& dataset, ReaderOptions opts)
+      : options(opts),
+        source(resolve_dataset(dataset.string(), opts.registry), opts),
+        sampler(sampler_options(opts, source)) {
     LOOM_CHECK(options.prefetch >= 0, InvalidArgument, "prefetch must be >= 0, got ",
                options.prefetch);
     consumed = sampler.state();
@@ -275,6 +301,7 @@ struct Reader::Impl {
     s.world_size = o.world_size;
     s.epoch_end = o.epoch_end;
     s.dataset_version = source.manifest().version;
+    s.dataset = source.dataset().ref;
     return s;
   }
 
@@ -377,8 +404,14 @@ Batch Reader::next() {
 
 SamplerState Reader::state() const { return impl_->consumed; }
 
-void Reader::restore(const SamplerState& state, RestoreOptions options) {
+void Reader::restore(const SamplerState& saved, RestoreOptions options) {
   impl_->halt();
+  // A state of the version these shards had before a migration moved it is of this data.
+  SamplerState state = saved;
+  const Manifest& m = impl_->source.manifest();
+  if (!m.previous_version.empty() && state.dataset_version == m.previous_version) {
+    state.dataset_version = m.version;
+  }
   try {
     impl_->sampler.restore(state, options);
   } catch (...) {
@@ -389,6 +422,8 @@ void Reader::restore(const SamplerState& state, RestoreOptions options) {
 }
 
 const Manifest& Reader::manifest() const { return impl_->source.manifest(); }
+const ResolvedDataset& Reader::dataset() const { return impl_->source.dataset(); }
+uint64_t Reader::chunks_verified() const { return impl_->source.chunks_verified(); }
 const ReaderOptions& Reader::options() const { return impl_->options; }
 uint64_t Reader::num_samples() const { return impl_->source.num_samples(); }
 uint64_t Reader::steps_per_epoch() const { return impl_->sampler.steps_per_epoch(); }

@@ -47,6 +47,7 @@ std::string SamplerState::to_json() const {
   out["seed"] = seed;
   out["epoch"] = epoch;
   out["position"] = position;
+  if (!dataset.empty()) out["dataset"] = dataset;
   return out.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
@@ -69,6 +70,7 @@ SamplerState SamplerState::from_json(const std::string& text) {
   state.seed = unsigned_field(in, "seed");
   state.epoch = unsigned_field(in, "epoch");
   state.position = unsigned_field(in, "position");
+  if (in.contains("dataset")) state.dataset = string_field(in, "dataset");
   return state;
 }
 
@@ -125,7 +127,7 @@ void GlobalSampler::finish_epoch_if_exhausted() {
 }
 
 SamplerState GlobalSampler::state() const {
-  return SamplerState{options_.dataset_version, options_.seed, epoch_, position_};
+  return SamplerState{options_.dataset_version, options_.seed, epoch_, position_, options_.dataset};
 }
 
 void GlobalSampler::restore(const SamplerState& state, RestoreOptions options) {
@@ -134,10 +136,12 @@ void GlobalSampler::restore(const SamplerState& state, RestoreOptions options) {
              "; resuming would continue a different order. Build the sampler with seed ",
              state.seed, " or start a new run");
   const bool same_version = state.dataset_version == options_.dataset_version;
+  auto label = [](const std::string& name) { return name.empty() ? "" : " (" + name + ")"; };
   LOOM_CHECK(same_version || options.allow_version_change, InvalidArgument,
-             "reader state is for dataset version \"", state.dataset_version,
-             "\" but this sampler reads version \"", options_.dataset_version,
-             "\"; pass allow_version_change to resume across a dataset change");
+             "reader state is for dataset version \"", state.dataset_version, "\"",
+             label(state.dataset), " but this sampler reads version \"", options_.dataset_version,
+             "\"", label(options_.dataset),
+             "; pass allow_version_change to resume across a dataset change");
   LOOM_CHECK(!same_version || state.position <= options_.num_samples, InvalidArgument,
              "reader state position ", state.position, " is beyond the dataset's ",
              options_.num_samples, " samples (dataset version \"", state.dataset_version, "\")");

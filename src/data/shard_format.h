@@ -88,6 +88,8 @@ class TokenShard {
   const uint8_t* tokens() const { return file_.data() + sizeof(TokenHeader); }
   // Token offsets in the shard: document d spans [doc_offset(d), doc_offset(d + 1)).
   uint64_t doc_offset(uint64_t d) const;
+  // Byte offset of the document index in the file.
+  uint64_t index_offset() const { return header().index_offset; }
   const util::MappedFile& file() const { return file_; }
 
  private:

@@ -3,6 +3,7 @@
 #include <fstream>
 
 #include "loom/data/dataset.h"
+#include "loom/data/registry.h"
 #include "loom/error.h"
 
 namespace loom::data {
@@ -31,10 +32,12 @@ Vocabulary Vocabulary::load(const std::filesystem::path& file) {
   return v;
 }
 
-Vocabulary Vocabulary::of_dataset(const std::filesystem::path& dataset_dir) {
+Vocabulary Vocabulary::of_dataset(const std::filesystem::path& dataset) {
+  const std::filesystem::path dataset_dir = resolve_dataset(dataset.string()).dir;
   const Manifest m = read_manifest(dataset_dir);
   LOOM_CHECK(m.kind == DatasetKind::kTokens && !m.tokenizer.empty(), InvalidArgument,
              dataset_dir.string(), " names no tokenizer vocabulary in its manifest");
+  check_tokenizer_files(dataset_dir, m);
   Vocabulary v = load(dataset_dir / m.tokenizer);
   LOOM_CHECK(v.size() == m.vocab_size, CorruptData, (dataset_dir / m.tokenizer).string(), " holds ",
              v.size(), " pieces but the dataset's vocab_size is ", m.vocab_size);

@@ -4,8 +4,10 @@
 //     chosen by the vocabulary size), read through mmap;
 //   - record datasets, for everything else: records of named, typed fields (bytes, tensor,
 //     text, int, float), each record with its own xxHash64, with an index for O(1) access.
-// The manifest lists every shard with its size and xxHash64; the dataset version is a hash
-// of the manifest, so it names the content. docs/data-format.md has the byte layouts.
+// The manifest lists every shard with its size, xxHash64 and per-chunk xxHash64s, and the
+// tokenizer files with their sizes and hashes; the dataset version is a hash of the content
+// the manifest describes, so it names the content. docs/data-format.md has the byte layouts,
+// docs/datasets.md the integrity checks and the format versions.
 #pragma once
 
 #include <cstdint>
@@ -44,18 +46,44 @@ struct ShardInfo {
   uint64_t xxhash64 = 0;   // of the whole file
   uint64_t items = 0;      // tokens (token shards) or records (record shards)
   uint64_t documents = 0;  // token shards: documents that start in this shard
+  // xxHash64 of each Manifest::chunk_bytes piece of the file, in order (the last may be
+  // shorter); empty in format 1.
+  std::vector<uint64_t> chunk_hashes;
+};
+
+// A file beside the shards that the dataset needs (a tokenizer file), with its size and hash.
+struct FileInfo {
+  std::string file;  // relative to the dataset directory
+  uint64_t bytes = 0;
+  uint64_t xxhash64 = 0;
 };
 
 struct Manifest {
-  static constexpr int kFormatVersion = 1;
+  // The manifest format this Loom writes; it reads every version from kOldestFormatVersion.
+  // 1: shards with whole-file hashes. 2: adds per-chunk hashes, tokenizer files and a hash of
+  // the whole manifest. Shard files are format 1 in both.
+  static constexpr int kFormatVersion = 2;
+  static constexpr int kOldestFormatVersion = 1;
+  static constexpr uint64_t kDefaultChunkBytes = uint64_t{1} << 20;
 
+  int format_version = kFormatVersion;  // as read; writers write kFormatVersion
   DatasetKind kind = DatasetKind::kTokens;
-  std::string version;  // 16 hex digits: xxHash64 of the manifest's content (all but this field)
+  // 16 hex digits naming the content: xxHash64 of the content identity (docs/datasets.md),
+  // which leaves out what a migration may change (format version, chunk hashes).
+  std::string version;
+  // The version the same shards had under format 1, when a migration changed it (a format 1
+  // version did not cover the tokenizer files); "" otherwise. A reader state of this version
+  // resumes on this dataset as if it were of `version`.
+  std::string previous_version;
   std::vector<ShardInfo> shards;
+  uint64_t chunk_bytes = 0;  // the size of the hashed chunks; 0 in format 1 (no chunk hashes)
   // Token datasets.
   uint64_t vocab_size = 0;  // token ids are < vocab_size
   int64_t eos_id = -1;      // appended after every document, or -1 for none
-  std::string tokenizer;    // file in the dataset directory (a SentencePiece model) or ""
+  std::string tokenizer;    // the vocabulary file (data::Vocabulary) in the directory, or ""
+  // Every tokenizer file (tokenizer.model, tokenizer.vocab), checked at every open; empty in
+  // format 1 and for datasets without a tokenizer.
+  std::vector<FileInfo> tokenizer_files;
   // Record datasets.
   std::vector<Field> schema;
   // Free-form description (source files, builder); part of the version.
@@ -67,9 +95,15 @@ struct Manifest {
   const Field& field(const std::string& name) const;  // InvalidArgument naming known fields
 };
 
-// Reads and checks `dir`/manifest.json: a missing directory or manifest is IoError; bad JSON,
-// an unknown format version, or a version that does not match the content is CorruptData.
+// Reads and checks `dir`/manifest.json, of any format version this Loom reads: a missing
+// directory or manifest is IoError; bad JSON, an unknown format version, or a manifest that
+// does not hash to its recorded hashes is CorruptData.
 Manifest read_manifest(const std::filesystem::path& dir);
+
+// Checks that every tokenizer file of `m` exists with its recorded size and xxHash64: IoError
+// when one is missing, CorruptData naming it otherwise. Reader and Vocabulary::of_dataset call
+// it at open.
+void check_tokenizer_files(const std::filesystem::path& dir, const Manifest& m);
 
 // One record of a record dataset, in schema order: values[i] is field i, encoded as stored
 // (see encode_* below), so that writing needs no copy of big tensors twice.
@@ -102,7 +136,11 @@ struct TokenWriterOptions {
   uint64_t vocab_size = 0;                  // required; > 65536 stores uint32 tokens
   int64_t eos_id = -1;                      // appended after every document when >= 0
   uint64_t tokens_per_shard = 64ull << 20;  // a shard closes once it holds this many tokens
-  std::string tokenizer;                    // tokenizer file already copied into the directory
+  std::string tokenizer;                    // vocabulary file already copied into the directory
+  // Every tokenizer file already in the directory (e.g. tokenizer.model, tokenizer.vocab);
+  // hashed into the manifest. Empty: just `tokenizer`, when it is set.
+  std::vector<std::string> tokenizer_files;
+  uint64_t chunk_bytes = Manifest::kDefaultChunkBytes;  // hashed chunk size, >= 64
   std::string description;
 };
 
@@ -132,6 +170,7 @@ class TokenDatasetWriter {
 
 struct RecordWriterOptions {
   uint64_t bytes_per_shard = 256ull << 20;  // a shard closes once its records reach this size
+  uint64_t chunk_bytes = Manifest::kDefaultChunkBytes;  // hashed chunk size, >= 64
   std::string description;
 };
 
@@ -164,9 +203,27 @@ struct VerifyReport {
   uint64_t bytes_checked = 0;
 };
 
-// Checks everything: the manifest, every shard's size, header and xxHash64, and every
-// record's checksum. Reports the first problem instead of throwing; an unreadable manifest
+// Checks everything: the manifest, the tokenizer files, every shard's size, header, chunk
+// hashes and xxHash64, and every record's checksum. Reports the first problem instead of
+// throwing (`offset` is the bad chunk's first byte for a chunk hash); an unreadable manifest
 // still throws as read_manifest does.
 VerifyReport verify_dataset(const std::filesystem::path& dir, const ProgressFn& progress = {});
+
+// What migrate_dataset did.
+struct MigrateReport {
+  int from_format = 0;
+  int to_format = 0;
+  std::string old_version;
+  std::string new_version;  // equal to old_version unless the old format left content out
+  bool rewritten = false;   // false when the dataset was already current
+};
+
+// Rewrites `dir` to the current format version (Manifest::kFormatVersion) in place: every
+// shard is hashed first and must match its manifest (CorruptData naming it otherwise, and
+// nothing is changed), then manifest.json is replaced atomically. Shard files are not
+// rewritten (their format is unchanged). The content version is kept when the identity is
+// unchanged; see docs/datasets.md for the one case where it moves. Not safe to run while
+// another process migrates the same directory.
+MigrateReport migrate_dataset(const std::filesystem::path& dir, const ProgressFn& progress = {});
 
 }  // namespace loom::data

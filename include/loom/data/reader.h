@@ -12,7 +12,12 @@
 // appears only in the last batch of an epoch under EpochEnd::kPad).
 //
 // The dataset is never loaded into memory: shards are mmapped and each batch reads only its
-// samples. Record checksums are checked on every read.
+// samples. Record checksums are checked on every read; token shards are checked chunk by
+// chunk (1 MiB by default), each chunk the first time a read touches it.
+//
+// A dataset is named by its directory or by a registry name (`kjv@3`, `kjv@latest`,
+// `kjv@stable`, `kjv`; loom/data/registry.h): a name without '/' that is not an existing path
+// resolves through the registry.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,6 +29,7 @@
 #include <vector>
 
 #include "loom/data/dataset.h"
+#include "loom/data/registry.h"
 #include "loom/data/sampler.h"
 
 namespace loom::data {
@@ -44,6 +50,11 @@ struct ReaderOptions {
   EpochEnd epoch_end = EpochEnd::kDropLast;  // what happens to an epoch's last partial batch
   int prefetch = 2;            // batches prepared ahead by a background thread; 0 = none
   bool verify_hashes = false;  // hash every shard at open (reads the whole dataset)
+  // Token shards: hash each chunk the first time a read touches it (once per chunk per
+  // reader). Off only to measure its cost: a flipped byte is then read silently.
+  bool verify_chunks = true;
+  // Where registry names resolve; empty: $LOOM_DATA_REGISTRY (loom/data/registry.h).
+  std::filesystem::path registry;
 };
 
 // One rank's samples for one step.
@@ -61,13 +72,17 @@ struct Batch {
 // same options except rank, and calls next() once per step.
 //
 // Thread safety: one consumer thread calls next(), state() and restore(); the prefetch thread
-// is internal. Errors: opening a missing dataset or shard is IoError; a truncated shard, a
-// header that does not match the manifest, or (with verify_hashes) a hash mismatch is
-// CorruptData naming the file; bad options are InvalidArgument. A record that fails its
-// checksum is CorruptData from the next() that would return it, naming shard and record.
+// is internal; read() may be called from any thread. Errors: opening a missing dataset, shard
+// or tokenizer file is IoError; a truncated shard, a header that does not match the manifest,
+// a changed tokenizer file, or (with verify_hashes) a hash mismatch is CorruptData naming the
+// file; bad options are InvalidArgument; a registry name that does not resolve is the
+// registry's error (resolve_dataset). A record that fails its checksum, or a token chunk that
+// fails its hash, is CorruptData from the next() that would return it, naming the shard and
+// the record or chunk; that batch is not consumed.
 class Reader {
  public:
-  Reader(const std::filesystem::path& dir, ReaderOptions options);
+  // `dataset`: a directory, or a registry name resolved through options.registry.
+  Reader(const std::filesystem::path& dataset, ReaderOptions options);
   ~Reader();
   Reader(const Reader&) = delete;
   Reader& operator=(const Reader&) = delete;
@@ -80,11 +95,16 @@ class Reader {
   SamplerState state() const;
   // Continues exactly after `state`, at this reader's world size and batch size, whatever
   // they were when it was saved. A state of another dataset version is InvalidArgument
-  // naming both versions unless options.allow_version_change. O(1): nothing is replayed.
+  // naming both versions unless options.allow_version_change; a state of the dataset's
+  // previous_version (before a migration) is of this data. O(1): nothing is replayed.
   void restore(const SamplerState& state, RestoreOptions options = {});
 
   const Manifest& manifest() const;
+  // The directory read, and the registry version it was resolved from ("" for a path).
+  const ResolvedDataset& dataset() const;
   const ReaderOptions& options() const;
+  // Chunks of token shards hashed so far (each once; 0 for a format 1 or record dataset).
+  uint64_t chunks_verified() const;
   uint64_t num_samples() const;      // samples per epoch (before the epoch-end policy)
   uint64_t steps_per_epoch() const;  // from the start of an epoch
   // Reads the samples `indices` directly (no prefetch, no state change): for tools and tests.

@@ -21,13 +21,16 @@ struct SamplerState {
   uint64_t seed = 0;            // keys the order, with epoch
   uint64_t epoch = 0;           // epochs completed so far
   uint64_t position = 0;        // samples of this epoch's order consumed by all ranks together
+  // The registry version the dataset was opened as ("kjv@3"), or "" when opened by path. A
+  // label for people and messages: dataset_version is what restore() compares, and == ignores it.
+  std::string dataset;
 
-  // A JSON object with these four fields plus the name of the order algorithm. Integers are
-  // JSON numbers and keep all 64 bits.
+  // A JSON object with these four fields (and "dataset" when set) plus the name of the order
+  // algorithm. Integers are JSON numbers and keep all 64 bits.
   std::string to_json() const;
-  // Parses to_json()'s output. Malformed JSON or a missing or mistyped field is
-  // loom::CorruptData; a state written by a different order algorithm is InvalidArgument
-  // (its positions would point into another order).
+  // Parses to_json()'s output ("dataset" optional). Malformed JSON or a missing or mistyped
+  // field is loom::CorruptData; a state written by a different order algorithm is
+  // InvalidArgument (its positions would point into another order).
   static SamplerState from_json(const std::string& json);
 
   friend bool operator==(const SamplerState& a, const SamplerState& b) {
@@ -56,6 +59,7 @@ struct SamplerOptions {
   int world_size = 1;                        // ranks reading together
   EpochEnd epoch_end = EpochEnd::kDropLast;  // see EpochEnd
   std::string dataset_version;               // compared with a restored state's dataset_version
+  std::string dataset;                       // the registry version, for states and messages
 };
 
 struct RestoreOptions {

@@ -17,8 +17,10 @@ class Vocabulary {
  public:
   // Reads a vocabulary file. Missing is IoError, malformed is CorruptData, naming the file.
   static Vocabulary load(const std::filesystem::path& file);
-  // The vocabulary a token dataset names in its manifest; InvalidArgument when it names none.
-  static Vocabulary of_dataset(const std::filesystem::path& dataset_dir);
+  // The vocabulary a token dataset (a directory or a registry name, resolved through
+  // $LOOM_DATA_REGISTRY) names in its manifest, after checking the tokenizer files against
+  // the manifest; InvalidArgument when it names none.
+  static Vocabulary of_dataset(const std::filesystem::path& dataset);
 
   size_t size() const { return pieces_.size(); }
   // The piece of `id` as stored (SentencePiece marks a word start with U+2581);

@@ -51,9 +51,10 @@ TEST(Vocabulary, ADatasetsVocabularyMustHaveItsVocabSize) {
   {
     TokenDatasetWriter writer(ds, {.vocab_size = 100, .tokenizer = "tokenizer.vocab"});
     writer.add_document({1, 2, 3});
+    // The tokenizer files are in the directory before finish(), which hashes them.
+    write(ds / "tokenizer.vocab", "a\t0\nb\t0\nc\t0\n");
     writer.finish();
   }
-  write(ds / "tokenizer.vocab", "a\t0\nb\t0\nc\t0\n");
   const std::string message = error_of<CorruptData>([&] { Vocabulary::of_dataset(ds); });
   EXPECT_NE(message.find("holds 3 pieces but the dataset's vocab_size is 100"), std::string::npos)
       << message;

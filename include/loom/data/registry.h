@@ -1,0 +1,144 @@
+// The dataset registry: named, numbered, immutable versions of datasets, with lineage and tags.
+//
+// `kjv@3` is version 3 of the dataset named kjv; `kjv@latest` (or just `kjv`) its newest
+// version; `kjv@stable` the version the tag "stable" points to. A version binds a name and a
+// number to a dataset directory and its content version (Manifest::version), with the lineage
+// that built it; it never changes once recorded. Tags move.
+//
+// Registry is the interface; DirectoryRegistry keeps the catalog as a directory tree (shareable
+// over a network file system), and a service can implement the same interface later. Readers
+// resolve names with resolve_dataset(). docs/datasets.md has the layout and the commands.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/data/dataset.h"
+
+namespace loom::data {
+
+// A source file of a build, as hashed when the dataset was built.
+struct SourceFile {
+  std::string path;  // as given to the build, made absolute
+  uint64_t bytes = 0;
+  uint64_t xxhash64 = 0;
+};
+
+// How a dataset version came to be. `loom data build` writes it into the dataset directory as
+// build.json; register copies it into the version's record.
+struct Lineage {
+  std::vector<SourceFile> sources;  // the build's inputs
+  std::string command;              // the command line that built it
+  std::string tokenizer;            // how the tokenizer was made (trained, or copied from where)
+  std::string parent;               // "name@N" this version follows or derives from, or ""
+};
+
+// One registered version.
+struct DatasetVersion {
+  std::string name;
+  uint64_t number = 0;          // 1, 2, 3, ... per name
+  std::string content_version;  // the dataset's Manifest::version when it was registered
+  std::filesystem::path dir;    // absolute
+  DatasetKind kind = DatasetKind::kTokens;
+  uint64_t bytes = 0;         // the shards' total size
+  uint64_t items = 0;         // tokens or records
+  std::string registered_at;  // UTC, ISO 8601
+  Lineage lineage;
+  std::vector<std::string> tags;  // the tags that point here now
+
+  std::string ref() const { return name + "@" + std::to_string(number); }
+};
+
+struct RegisterOptions {
+  // The parent version ("name@N", any name); empty: the name's latest version, if any.
+  std::string parent;
+};
+
+// A catalog of dataset versions. Implementations are safe to use from several processes at
+// once (DirectoryRegistry: see its comment); one object is not to be shared between threads.
+// Errors: a name, version or tag that does not exist is InvalidArgument naming it (and what
+// exists); a malformed catalog entry is CorruptData naming its file; storage failures IoError.
+class Registry {
+ public:
+  virtual ~Registry() = default;
+
+  // Records the dataset at `dir` as the next version of `name`, bound to its content version,
+  // with the lineage of its build.json (if any). If the name's latest version already holds
+  // this content in this directory, returns it instead of adding a copy. `dir` must hold a
+  // readable dataset (read_manifest's errors otherwise).
+  virtual DatasetVersion add(const std::string& name, const std::filesystem::path& dir,
+                             const RegisterOptions& options = {}) = 0;
+  // Resolves "name@N", "name@latest", "name@TAG" or "name" (= latest).
+  virtual DatasetVersion get(const std::string& ref) const = 0;
+  // Registered names, sorted.
+  virtual std::vector<std::string> names() const = 0;
+  // The versions of `name`, oldest first.
+  virtual std::vector<DatasetVersion> versions(const std::string& name) const = 0;
+  // Points `tag` of the version's name at the version `ref` resolves to (moving it if it
+  // pointed elsewhere). A tag is not "latest" and not a number.
+  virtual void tag(const std::string& ref, const std::string& tag) = 0;
+  // Where the catalog is, for messages.
+  virtual std::string location() const = 0;
+};
+
+// The catalog as a directory tree:
+//   ROOT/NAME/versions/N.json   one immutable record per version (never rewritten)
+//   ROOT/NAME/tags/TAG          the version number a tag points to
+//   ROOT/NAME/.lock             serializes add() between processes
+// add() takes an exclusive flock on .lock and creates N.json with link(2), which fails rather
+// than overwrite when another writer (one without working locks, e.g. on some network file
+// systems) took N first; it then takes N + 1. Tags are replaced by atomic rename.
+class DirectoryRegistry final : public Registry {
+ public:
+  explicit DirectoryRegistry(std::filesystem::path root);
+
+  DatasetVersion add(const std::string& name, const std::filesystem::path& dir,
+                     const RegisterOptions& options = {}) override;
+  DatasetVersion get(const std::string& ref) const override;
+  std::vector<std::string> names() const override;
+  std::vector<DatasetVersion> versions(const std::string& name) const override;
+  void tag(const std::string& ref, const std::string& tag) override;
+  std::string location() const override { return root_.string(); }
+
+ private:
+  DatasetVersion read_version(const std::string& name, uint64_t number) const;
+  std::vector<uint64_t> numbers(const std::string& name) const;
+
+  std::filesystem::path root_;  // constant after construction
+};
+
+// The registry at `root`, or at $LOOM_DATA_REGISTRY when root is empty. InvalidArgument when
+// neither names one, saying how to set it.
+std::unique_ptr<Registry> open_registry(const std::filesystem::path& root = {});
+
+// The lineage file `loom data build` writes into a dataset directory.
+inline constexpr char kBuildLineageFile[] = "build.json";
+// Reads `dir`/build.json; an empty Lineage when there is none, CorruptData when malformed.
+Lineage read_build_lineage(const std::filesystem::path& dir);
+// Writes `dir`/build.json atomically.
+void write_build_lineage(const std::filesystem::path& dir, const Lineage& lineage);
+// `path`'s size and xxHash64, the path made absolute; IoError when unreadable.
+SourceFile describe_source(const std::filesystem::path& path);
+
+// A dataset as a reader opens it: its directory and, for a registry name, the version.
+struct ResolvedDataset {
+  std::filesystem::path dir;
+  std::string ref;              // "kjv@3", or "" when `spec` was a path
+  std::string content_version;  // the registered content version, or "" for a path
+};
+
+// True when `spec` is a registry name rather than a path: it has no '/', is not empty, and no
+// file or directory of that name exists.
+bool is_registry_name(const std::string& spec);
+
+// `spec` as a directory: a path is returned as it is; a registry name is resolved through
+// open_registry(registry_root) and its directory checked: a directory that is gone is IoError,
+// one whose manifest no longer holds the registered content version is CorruptData naming the
+// version, both content versions and the directory ("its files changed since registration").
+ResolvedDataset resolve_dataset(const std::string& spec,
+                                const std::filesystem::path& registry_root = {});
+
+}  // namespace loom::data
