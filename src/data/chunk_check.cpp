@@ -25,7 +25,8 @@ ChunkChecker::ChunkChecker(const uint8_t* data, uint64_t size, uint64_t chunk_by
       chunk_bytes_(chunk_bytes),
       hashes_(std::move(hashes)),
       file_(std::move(file)),
-      verified_(std::make_unique<std::once_flag[]>(hashes_.size())),
+      verified_(std::make_unique<std::atomic<bool>[]>(hashes_.size())),
+      mutex_(std::make_unique<std::mutex>()),
       verified_count_(std::make_unique<std::atomic<uint64_t>>(0)) {
   LOOM_CHECK(
       hashes_.empty() || (chunk_bytes_ > 0 && chunk_count(size_, chunk_bytes_) == hashes_.size()),
@@ -39,7 +40,11 @@ void ChunkChecker::check(uint64_t offset, uint64_t size) const {
   const uint64_t first = offset / chunk_bytes_;
   const uint64_t last = std::min<uint64_t>((offset + size - 1) / chunk_bytes_, hashes_.size() - 1);
   for (uint64_t c = first; c <= last; ++c) {
-    std::call_once(verified_[c], [&] { verify_chunk(c); });
+    if (verified_[c].load(std::memory_order_acquire)) continue;
+    std::lock_guard<std::mutex> lock(*mutex_);
+    if (verified_[c].load(std::memory_order_relaxed)) continue;  // another thread did it
+    verify_chunk(c);
+    verified_[c].store(true, std::memory_order_release);
   }
 }
 
