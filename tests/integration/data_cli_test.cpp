@@ -5,10 +5,14 @@
 
 #include <fstream>
 #include <limits>
+#include <map>
+#include <set>
 
 #include "harness/harness.h"
 #include "loom/data/reader.h"
+#include "loom/data/registry.h"
 #include "loom/data/vocabulary.h"
+#include "util/files.h"
 #include "util/subprocess.h"
 
 namespace loom::data {
@@ -208,6 +212,217 @@ TEST(DataCli, JsonlIntegersBeyondInt64AreRefusedNotWrapped) {
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
   Reader reader(dir / "max", {});
   EXPECT_EQ(reader.read({0})["steps"][0].item<int64_t>(), std::numeric_limits<int64_t>::max());
+}
+
+// `loom` run in `cwd` with extra environment.
+ProgramResult loom_in(std::vector<std::string> args, const fs::path& cwd,
+                      std::map<std::string, std::string> env = {}) {
+  args.insert(args.begin(), LOOM_BINARY_DIR "/tools/loom/loom");
+  const fs::path out = cwd / "program_output.txt";
+  fs::remove(out);  // the output is appended to
+  auto status =
+      util::Subprocess::spawn({.argv = args, .env = std::move(env), .output = out, .cwd = cwd})
+          .wait();
+  return {status.code, status.signal, util::read_file(out)};
+}
+
+const fs::path kFormat1 = fs::path(LOOM_SOURCE_DIR) / "tests" / "data" / "format-v1";
+
+fs::path build_episodes(const TempDir& dir, const std::string& name, int lines) {
+  const fs::path input = dir / (name + ".jsonl");
+  {
+    std::ofstream out(input);
+    for (int i = 0; i < lines; ++i)
+      out << R"({"id": )" << i << R"(, "text": "line )" << i << "\"}\n";
+  }
+  ProgramResult r = loom(
+      {"data", "build", "jsonl", "--input", input.string(), "--out", (dir / name).string()}, dir);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return dir / name;
+}
+
+TEST(DataCli, RegisterLsInfoTagDiffAndNamesInShow) {
+  TempDir dir;
+  const fs::path a = build_episodes(dir, "a", 3), b = build_episodes(dir, "b", 5);
+  // The build wrote its lineage beside the manifest.
+  const Lineage lineage = read_build_lineage(a);
+  EXPECT_EQ(lineage.command,
+            "loom data build jsonl --input " + (dir / "a.jsonl").string() + " --out " + a.string());
+  ASSERT_EQ(lineage.sources.size(), 1u);
+  EXPECT_EQ(lineage.sources[0].path, (dir / "a.jsonl").string());
+  EXPECT_EQ(lineage.sources[0].bytes, fs::file_size(dir / "a.jsonl"));
+
+  const std::string registry = (dir / "registry").string();
+  const std::string va = read_manifest(a).version, vb = read_manifest(b).version;
+  ProgramResult r = loom({"data", "register", "episodes", a.string(), "--registry", registry}, dir);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output, "registered episodes@1: " + a.string() + " (content version " + va +
+                          ", records, 3 items, " + std::to_string(read_manifest(a).total_bytes()) +
+                          " bytes)\n");
+  r = loom({"data", "register", "episodes", b.string(), "--registry", registry}, dir);
+  EXPECT_TRUE(contains(r.output, "registered episodes@2: ")) << r.output;
+  EXPECT_TRUE(contains(r.output, ", parent episodes@1)")) << r.output;
+  r = loom({"data", "register", "episodes", b.string(), "--registry", registry}, dir);
+  EXPECT_TRUE(contains(r.output, "already registered as episodes@2: ")) << r.output;
+
+  r = loom({"data", "tag", "episodes@1", "stable", "--registry", registry}, dir);
+  EXPECT_EQ(r.output, "episodes@stable -> episodes@1\n");
+  r = loom({"data", "ls", "--registry", registry}, dir);
+  EXPECT_EQ(r.output, "episodes  latest episodes@2  (2 versions)  tags: stable=1\n");
+  r = loom({"data", "ls", "episodes", "--registry", registry}, dir);
+  EXPECT_TRUE(contains(r.output, "episodes@1  " + va + "  records  3 items  ")) << r.output;
+  EXPECT_TRUE(contains(r.output, a.string() + " [stable]\n")) << r.output;
+
+  r = loom({"data", "info", "episodes@stable", "--registry", registry}, dir);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "episodes@1 [stable]\ncontent version: " + va + "\n")) << r.output;
+  EXPECT_TRUE(contains(r.output, "  command: " + lineage.command + "\n")) << r.output;
+  EXPECT_TRUE(contains(r.output, "  source: " + (dir / "a.jsonl").string())) << r.output;
+  EXPECT_TRUE(contains(r.output, "files: the directory holds the registered content\n"))
+      << r.output;
+
+  r = loom({"data", "diff", "episodes@1", "episodes@2", "--registry", registry}, dir);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "  ~ items: 3 -> 5\n")) << r.output;
+  EXPECT_TRUE(contains(r.output, "  - source " + (dir / "a.jsonl").string())) << r.output;
+  EXPECT_TRUE(contains(r.output, "  + source " + (dir / "b.jsonl").string())) << r.output;
+  EXPECT_TRUE(contains(r.output, "  ~ shard records_00000.bin 3 items ")) << r.output;
+
+  // Names work wherever a dataset is read, through $LOOM_DATA_REGISTRY.
+  r = loom_in({"data", "show", "episodes@stable", "--batch", "1", "--color", "never"}, dir.path(),
+              {{"LOOM_DATA_REGISTRY", registry}});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "dataset episodes@stable (version " + va + ", 3 samples)"))
+      << r.output;
+  r = loom_in({"data", "verify", "episodes@2"}, dir.path(), {{"LOOM_DATA_REGISTRY", registry}});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+
+  // Bad names exit 2 naming them; changed files exit 1.
+  r = loom({"data", "info", "episodes@9", "--registry", registry}, dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.output,
+            "error: dataset episodes@9 does not exist: episodes has versions 1 to 2 in "
+            "the registry " +
+                registry + "\n");
+  r = loom({"data", "info", "bible", "--registry", registry}, dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.output, "no dataset named \"bible\"")) << r.output;
+  fs::remove_all(a);
+  build_episodes(dir, "a", 4);
+  r = loom({"data", "info", "episodes@1", "--registry", registry}, dir);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(contains(r.output,
+                       "files: CHANGED: dataset episodes@1 was registered with content "
+                       "version " +
+                           va))
+      << r.output;
+}
+
+// Real processes registering at once: each takes its own version number.
+TEST(DataCli, ConcurrentRegisterFromProcesses) {
+  TempDir dir;
+  constexpr int kProcesses = 6;
+  std::vector<fs::path> datasets;
+  for (int i = 0; i < kProcesses; ++i)
+    datasets.push_back(build_episodes(dir, "d" + std::to_string(i), i + 1));
+  std::vector<util::Subprocess> children;
+  for (int i = 0; i < kProcesses; ++i) {
+    children.push_back(
+        util::Subprocess::spawn({.argv = {LOOM_BINARY_DIR "/tools/loom/loom", "data", "register",
+                                          "episodes", datasets[static_cast<size_t>(i)].string(),
+                                          "--registry", (dir / "registry").string()},
+                                 .output = dir / ("register" + std::to_string(i) + ".txt")}));
+  }
+  for (auto& c : children) EXPECT_TRUE(c.wait().ok());
+  DirectoryRegistry registry(dir / "registry");
+  const auto versions = registry.versions("episodes");
+  ASSERT_EQ(versions.size(), static_cast<size_t>(kProcesses));
+  std::set<std::string> dirs;
+  for (size_t n = 0; n < versions.size(); ++n) {
+    EXPECT_EQ(versions[n].number, n + 1);
+    dirs.insert(versions[n].dir.string());
+  }
+  std::set<std::string> expected;
+  for (const auto& d : datasets) expected.insert(d.string());
+  EXPECT_EQ(dirs, expected);
+}
+
+// The tokenizer model is part of the content version, and spm_train records its options in
+// it: two builds of the same text into different directories still get the same version.
+TEST(DataCli, TextBuildsOfTheSameInputHaveTheSameVersionAnywhere) {
+  TempDir dir;
+  const fs::path text = dir / "genesis.txt";
+  ASSERT_TRUE(
+      util::Subprocess::spawn({.argv = {"bible", "gen1:1-gen2:25"}, .output = text}).wait().ok());
+  fs::create_directories(dir / "elsewhere");
+  for (const fs::path& out : {dir / "a", dir / "elsewhere" / "b"}) {
+    ProgramResult r = loom({"data", "build", "text", "--input", text.string(), "--vocab-size",
+                            "120", "--out", out.string()},
+                           dir);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  const Manifest a = read_manifest(dir / "a"), b = read_manifest(dir / "elsewhere" / "b");
+  EXPECT_EQ(a.version, b.version);
+  ASSERT_EQ(a.tokenizer_files.size(), 2u);
+  EXPECT_EQ(a.tokenizer_files[0].file, "tokenizer.model");
+  EXPECT_EQ(a.tokenizer_files[0].xxhash64, b.tokenizer_files[0].xxhash64);
+  EXPECT_EQ(a.tokenizer_files[1].file, "tokenizer.vocab");
+  // The lineage says how the tokenizer was made.
+  EXPECT_EQ(
+      read_build_lineage(dir / "a").tokenizer.rfind("trained here: spm_train BPE, 120 pieces; "
+                                                    "tokenizer.model xxHash64 ",
+                                                    0),
+      0u);
+}
+
+// The kept format 1 datasets: shown as they were when written, migrated, shown the same.
+TEST(DataCli, MigrateKeepsFormat1DatasetsReadingTheSame) {
+  TempDir dir;
+  for (const char* name : {"tokens", "records"}) {
+    fs::copy(kFormat1 / name, dir / name, fs::copy_options::recursive);
+  }
+  const std::string tokens_shown = util::read_file(kFormat1 / "tokens.show.txt");
+  const std::string records_shown = util::read_file(kFormat1 / "records.show.txt");
+  const std::vector<std::string> show_tokens = {"data", "show",    "tokens",  "--seq-len",
+                                                "8",    "--batch", "2",       "--step",
+                                                "1",    "--ids",   "--color", "never"};
+  const std::vector<std::string> show_records = {"data",   "show", "records", "--batch", "2",
+                                                 "--step", "1",    "--color", "never"};
+  EXPECT_EQ(loom_in(show_tokens, dir.path()).output, tokens_shown);
+  EXPECT_EQ(loom_in(show_records, dir.path()).output, records_shown);
+
+  ProgramResult r = loom_in({"data", "migrate", "records"}, dir.path());
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output,
+                       "migrated records from format 1 to 2; content version "
+                       "f9b2ba64c56eac6c kept\n"))
+      << r.output;
+  EXPECT_EQ(loom_in(show_records, dir.path()).output, records_shown);
+  r = loom_in({"data", "migrate", "records"}, dir.path());
+  EXPECT_TRUE(contains(r.output,
+                       "records is already format 2; nothing to do (version "
+                       "f9b2ba64c56eac6c)\n"))
+      << r.output;
+
+  r = loom_in({"data", "migrate", "tokens"}, dir.path());
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const std::string version = read_manifest(dir / "tokens").version;
+  EXPECT_TRUE(contains(r.output,
+                       "migrated tokens from format 1 to 2; content version "
+                       "5418a01a453035ea -> " +
+                           version))
+      << r.output;
+  std::string expected = tokens_shown;
+  expected.replace(expected.find("5418a01a453035ea"), 16, version);
+  EXPECT_EQ(loom_in(show_tokens, dir.path()).output, expected);
+  EXPECT_EQ(loom_in({"data", "verify", "tokens"}, dir.path()).exit_code, 0);
+
+  // The same JSON lines built by this Loom give the same content version as format 1 did.
+  fs::copy(kFormat1 / "episodes.jsonl", dir / "episodes.jsonl");
+  r = loom_in({"data", "build", "jsonl", "--input", "episodes.jsonl", "--out", "rebuilt"},
+              dir.path());
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_manifest(dir / "rebuilt").version, "f9b2ba64c56eac6c");
 }
 
 }  // namespace

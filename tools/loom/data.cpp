@@ -8,6 +8,7 @@
 
 #include "data_commands.h"
 #include "loom/data/reader.h"
+#include "loom/data/registry.h"
 #include "loom/data/vocabulary.h"
 #include "loom/error.h"
 #include "progress.h"
@@ -17,9 +18,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-int run_verify(const std::string& dir) {
+int run_verify(const std::string& spec) {
   data::Manifest m;
+  std::string dir;
   try {
+    dir = data::resolve_dataset(spec).dir.string();
     m = data::read_manifest(dir);
   } catch (const Error& e) {  // no dataset there, or a manifest that cannot be trusted
     std::cerr << "error: " << e.what() << "\n";
@@ -175,7 +178,7 @@ int run_show(const ShowArgs& args) {
             << args.seed << ", " << args.batch << " samples per rank\n";
   std::unique_ptr<data::Vocabulary> vocab;
   if (m.kind == data::DatasetKind::kTokens && !m.tokenizer.empty()) {
-    vocab = std::make_unique<data::Vocabulary>(data::Vocabulary::of_dataset(args.dir));
+    vocab = std::make_unique<data::Vocabulary>(data::Vocabulary::of_dataset(reader.dataset().dir));
   }
   for (int64_t r = 0; r < static_cast<int64_t>(batch.indices.size()); ++r) {
     std::cout << style.bold("sample " + std::to_string(r)) << ": dataset index " << batch.indices[r]
@@ -198,10 +201,11 @@ void register_data(CLI::App& app, Action& action) {
   data->footer(
       "Formats and guarantees: docs/data-format.md; the sample order: docs/data-order.md.");
   register_data_build(*data, action);
+  register_data_registry(*data, action);
 
   auto verify_dir = std::make_shared<std::string>();
   CLI::App* verify = data->add_subcommand("verify", "Check every shard hash and record checksum.");
-  verify->add_option("dir", *verify_dir, "the dataset directory")->required();
+  verify->add_option("dataset", *verify_dir, "the dataset directory or registry name")->required();
   verify->footer(
       "Exit codes: 0 intact, 1 corrupt (the first bad shard or record is named), 2 unreadable.");
   verify->callback(
@@ -209,7 +213,7 @@ void register_data(CLI::App& app, Action& action) {
 
   auto show = std::make_shared<ShowArgs>();
   CLI::App* s = data->add_subcommand("show", "Print the samples a rank reads at a step, decoded.");
-  s->add_option("dir", show->dir, "the dataset directory")->required();
+  s->add_option("dataset", show->dir, "the dataset directory or registry name")->required();
   s->add_option("--rank", show->rank, "the rank")->capture_default_str();
   s->add_option("--world", show->world, "ranks reading together")->capture_default_str();
   s->add_option("--step", show->step, "the training step (counting from 0 over all epochs)")

@@ -7,17 +7,20 @@
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "data_commands.h"
 #include "idx.h"
 #include "loom/data/dataset.h"
+#include "loom/data/registry.h"
 #include "loom/data/vocabulary.h"
 #include "loom/error.h"
 #include "progress.h"
+#include "util/files.h"
+#include "util/hash.h"
 #include "util/subprocess.h"
 
 namespace loom::cli {
@@ -36,7 +39,29 @@ void print_summary(const data::Manifest& m, const fs::path& out) {
             << m.total_bytes() << " bytes; version " << m.version << "\n";
 }
 
+// The command line a build was run with, words quoted for a shell where they need it.
+std::string command_line(const std::vector<std::string>& words) {
+  std::string out;
+  for (const std::string& w : words) {
+    const bool plain = !w.empty() && w.find_first_not_of(
+                                         "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLM"
+                                         "NOPQRSTUVWXYZ0123456789-_./=:@,+") == std::string::npos;
+    std::string quoted = "'";
+    for (char c : w) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    out += (out.empty() ? "" : " ") + (plain ? w : quoted + "'");
+  }
+  return out;
+}
+
+// Lineage of an input file: its absolute path (or "-" for stdin), size and hash.
+data::SourceFile source_of(const std::string& name, const std::string& bytes) {
+  return {name == "-" ? "-" : fs::absolute(name).lexically_normal().string(), bytes.size(),
+          util::xxh64(bytes)};
+}
+
 // ---- text ----
+
+constexpr int kSpmThreads = 16;  // spm_train's threads: fixed, since the model records them
 
 struct TextArgs {
   std::vector<std::string> inputs;
@@ -82,10 +107,11 @@ std::vector<std::string> split_documents(const std::string& text, bool per_line)
 // Runs a SentencePiece tool (Debian's `sentencepiece` package) with its output in `log`.
 // SentencePiece runs in its own process: its library carries a protobuf runtime that clashes
 // with the one libtorch loads, so it cannot share a process with Loom.
-void run_spm(const std::vector<std::string>& argv, const fs::path& log) {
+void run_spm(const std::vector<std::string>& argv, const fs::path& log,
+             std::optional<fs::path> cwd = std::nullopt) {
   util::ExitStatus status;
   try {
-    status = util::Subprocess::spawn({.argv = argv, .output = log}).wait();
+    status = util::Subprocess::spawn({.argv = argv, .output = log, .cwd = std::move(cwd)}).wait();
   } catch (const IoError& e) {
     throw InvalidArgument(detail::concat("cannot run ", argv[0],
                                          " (install Debian's sentencepiece package): ", e.what()));
@@ -115,7 +141,23 @@ int build_text(const TextArgs& args) {
   LOOM_CHECK(!fs::exists(out / "manifest.json"), InvalidArgument, out.string(),
              " already holds a dataset; remove it or choose another --out");
   std::string text;
-  for (const std::string& input : args.inputs) text += read_input(input) + "\n\n";
+  data::Lineage lineage;
+  std::vector<std::string> words = {"loom", "data", "build", "text", "--input"};
+  for (const std::string& input : args.inputs) {
+    const std::string bytes = read_input(input);
+    lineage.sources.push_back(source_of(input, bytes));
+    words.push_back(input);
+    text += bytes + "\n\n";
+  }
+  for (const std::string& w : {std::string("--out"), args.out, std::string("--docs"), args.docs,
+                               std::string("--shard-tokens"), std::to_string(args.shard_tokens)})
+    words.push_back(w);
+  if (args.tokenizer.empty()) {
+    words.insert(words.end(), {"--vocab-size", std::to_string(args.vocab_size)});
+  } else {
+    words.insert(words.end(), {"--tokenizer", args.tokenizer});
+  }
+  lineage.command = command_line(words);
   const std::vector<std::string> docs = split_documents(text, args.docs == "line");
   LOOM_CHECK(!docs.empty(), InvalidArgument, "the input holds no text");
   fs::create_directories(out);
@@ -135,12 +177,15 @@ int build_text(const TextArgs& args) {
   if (args.tokenizer.empty()) {
     std::cerr << "training a BPE tokenizer of " << args.vocab_size << " pieces on " << docs.size()
               << " documents (log: " << log.string() << ")\n";
-    run_spm({"spm_train", "--input=" + corpus.string(),
-             "--model_prefix=" + (out / "tokenizer").string(),
+    // spm_train writes its options into the model (the input and output paths, the thread
+    // count), and the model is part of the content version: so it runs in the output
+    // directory with relative paths and a fixed thread count, and the same input gives the
+    // same model, wherever it is built and on any machine.
+    run_spm({"spm_train", "--input=" + corpus.filename().string(), "--model_prefix=tokenizer",
              "--vocab_size=" + std::to_string(args.vocab_size), "--model_type=bpe",
              "--character_coverage=1.0", "--unk_id=0", "--eos_id=1", "--bos_id=-1", "--pad_id=-1",
-             "--num_threads=" + std::to_string(std::max(1u, std::thread::hardware_concurrency()))},
-            log);
+             "--num_threads=" + std::to_string(kSpmThreads)},
+            log, fs::absolute(out));
     fs::remove(out / "tokenizer.vocab");
   } else {
     fs::copy_file(args.tokenizer, out / "tokenizer.model", fs::copy_options::overwrite_existing);
@@ -149,6 +194,12 @@ int build_text(const TextArgs& args) {
            "--output=" + (out / "tokenizer.vocab").string()},
           log);
   const data::Vocabulary vocab = data::Vocabulary::load(out / "tokenizer.vocab");
+  const uint64_t model_hash = util::xxh64(util::read_file(out / "tokenizer.model"));
+  lineage.tokenizer =
+      (args.tokenizer.empty()
+           ? "trained here: spm_train BPE, " + std::to_string(args.vocab_size) + " pieces"
+           : "copied from " + fs::absolute(args.tokenizer).lexically_normal().string()) +
+      "; tokenizer.model xxHash64 " + util::hash_hex(model_hash);
 
   std::cerr << "tokenizing " << docs.size() << " documents\n";
   const std::vector<std::vector<uint32_t>> lines = encode_lines(corpus, out);
@@ -160,7 +211,9 @@ int build_text(const TextArgs& args) {
                                         .eos_id = vocab.id_of("</s>"),
                                         .tokens_per_shard = args.shard_tokens,
                                         .tokenizer = "tokenizer.vocab",
+                                        .tokenizer_files = {"tokenizer.model", "tokenizer.vocab"},
                                         .description = description});
+  data::write_build_lineage(out, lineage);
   Progress progress("writing", docs.size(), "documents");
   std::vector<uint32_t> tokens;
   size_t line = 0;
@@ -215,6 +268,12 @@ int build_fashion_mnist(const FashionArgs& args) {
          "Ankle boot"}}},
       {.description = "Fashion-MNIST " + args.split + ": " + images_path.filename().string() +
                       ", " + labels_path.filename().string()});
+  data::Lineage lineage;
+  lineage.command =
+      command_line({"loom", "data", "build", "fashion-mnist", "--out", args.out, "--images",
+                    images_path.string(), "--labels", labels_path.string()});
+  lineage.sources = {data::describe_source(images_path), data::describe_source(labels_path)};
+  data::write_build_lineage(args.out, lineage);
   Progress progress("writing records", static_cast<uint64_t>(n), "images");
   const size_t pixels = static_cast<size_t>(h * w);
   for (int64_t i = 0; i < n; ++i) {
@@ -307,6 +366,10 @@ int build_jsonl(const JsonlArgs& args) {
 
   data::RecordDatasetWriter writer(
       args.out, schema, {.description = "jsonl: " + fs::path(args.input).filename().string()});
+  data::write_build_lineage(
+      args.out, {.sources = {data::describe_source(args.input)},
+                 .command = command_line({"loom", "data", "build", "jsonl", "--input", args.input,
+                                          "--out", args.out})});
   Progress progress("writing records", lines.size(), "lines");
   for (size_t i = 0; i < lines.size(); ++i) {
     const json j = parse(i);
