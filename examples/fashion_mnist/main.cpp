@@ -41,7 +41,8 @@ TORCH_MODULE(Net);
 
 loom::ConfigSchema keys() {
   loom::ConfigSchema s = loom::train::TrainOptions::schema();
-  s.add("data.train", "data/fashion-mnist-train", "training set (loom data build fashion-mnist)");
+  s.add("data.train", "data/fashion-mnist-train",
+        "training set: a directory (loom data build fashion-mnist) or a registry name");
   s.add("data.test", "data/fashion-mnist-test",
         "test set (loom data build fashion-mnist --split test)");
   s.add("model.width", 16, "channels of the first convolution; the second has twice as many");

@@ -10,8 +10,10 @@ namespace gpt {
 
 loom::ConfigSchema config_schema() {
   loom::ConfigSchema s = loom::train::TrainOptions::schema();  // train.steps, train.lr, ...
-  s.add("data.train", "data/kjv-train-bpe", "training token dataset (loom data build text)");
-  s.add("data.val", "data/kjv-val-bpe", "held-out token dataset, same tokenizer");
+  s.add("data.train", "data/kjv-train-bpe",
+        "training token dataset: a directory (loom data build text) or a registry name (kjv@3)");
+  s.add("data.val", "data/kjv-val-bpe",
+        "held-out token dataset (directory or registry name), same tokenizer");
   s.add("model.n_layer", 4, "transformer blocks (L)");
   s.add("model.n_head", 4, "attention heads per block (H)");
   s.add("model.n_embd", 128, "model width C = H * head dim");

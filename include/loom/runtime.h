@@ -109,9 +109,10 @@ class Runtime {
   const std::filesystem::path& run_dir() const;
   spdlog::logger& log() const;
 
-  // Opens the dataset at `dir` for this rank: options.rank and options.world_size are set
-  // from the topology, everything else is the caller's (loom/data/reader.h). The errors are
-  // data::Reader's.
+  // Opens the dataset at `dir` for this rank: a directory, or a registry name such as
+  // "kjv@3" (loom/data/registry.h; resolved through options.registry or
+  // $LOOM_DATA_REGISTRY). options.rank and options.world_size are set from the topology,
+  // everything else is the caller's (loom/data/reader.h). The errors are data::Reader's.
   std::unique_ptr<data::Reader> open_dataset(const std::filesystem::path& dir,
                                              data::ReaderOptions options) const;
 
