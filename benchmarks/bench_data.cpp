@@ -1,8 +1,10 @@
 // bench_data: samples and tokens per second delivered by data::Reader (prefetching, world
 // size 1 and 2) beside (a) the limit, a tight single-threaded loop gathering the same samples
 // in the same order straight from the mmap, and (b) PyTorch's Python DataLoader over a numpy
-// memmap of the same bytes (num_workers 0 and 2). Data: the KJV text tokenized by
-// `loom data build text`, and Fashion-MNIST by `loom data build fashion-mnist`.
+// memmap of the same bytes (num_workers 0 and 2); and the cost of the per-chunk hash checks of
+// token shards (each 1 MiB chunk hashed the first time a read touches it) against the same
+// reads unchecked. Data: the KJV text tokenized by `loom data build text`, and Fashion-MNIST
+// by `loom data build fashion-mnist`.
 #include <ATen/ATen.h>
 
 #include <CLI/CLI.hpp>
@@ -64,6 +66,11 @@ void prepare(const Settings& s, const fs::path& work) {
     run_or_throw(
         {loom_tool, "data", "build", "fashion-mnist", "--out", (work / "fashion").string()},
         work / "build.log");
+  }
+  for (const char* name : {"kjv", "fashion"}) {  // datasets kept from before format 2
+    if (loom::data::read_manifest(work / name).format_version <
+        loom::data::Manifest::kFormatVersion)
+      loom::data::migrate_dataset(work / name);
   }
   if (!fs::exists(work / "fashion-images.u8")) {  // the same images as raw arrays for numpy
     loom::data::Reader reader(work / "fashion", {});
@@ -265,6 +272,43 @@ void compare(const Settings& s, const fs::path& work, const Kind& kind) {
              {{"dataloader_w0", dl0}, {"dataloader_w2", dl2}}});
 }
 
+// Tokens per second of one pass over a whole epoch by a fresh reader (no prefetch), which
+// hashes every chunk of the dataset on the way when verify_chunks is on.
+double first_pass_rate(const fs::path& ds, const Settings& s, bool verify_chunks) {
+  const auto start = Clock::now();
+  loom::data::Reader reader(ds, {.batch_size = s.token_batch,
+                                 .seq_len = s.seq_len,
+                                 .prefetch = 0,
+                                 .verify_chunks = verify_chunks});
+  const uint64_t steps = reader.steps_per_epoch();
+  for (uint64_t i = 0; i < steps; ++i) reader.next();
+  const double tokens = static_cast<double>(steps * static_cast<uint64_t>(s.token_batch) *
+                                            static_cast<uint64_t>(s.seq_len));
+  LOOM_CHECK(!verify_chunks || reader.chunks_verified() > 0, loom::Error,
+             "bench_data: the reader checked no chunk; is ", ds.string(), " format 2?");
+  return tokens / seconds_since(start);
+}
+
+// The cost of chunk checks: steady state (chunks verified early, then a flag load per touch)
+// and the first pass over an epoch (every chunk hashed once).
+void chunk_check_cost(const Settings& s, const fs::path& kjv) {
+  loom::data::ReaderOptions options{
+      .batch_size = s.token_batch, .seq_len = s.seq_len, .prefetch = 4};
+  const double checked = reader_rate(kjv, options, 1, s.seconds) * static_cast<double>(s.seq_len);
+  options.verify_chunks = false;
+  const double unchecked = reader_rate(kjv, options, 1, s.seconds) * static_cast<double>(s.seq_len);
+  report(s, {"data", "tokens/W1/chunk-checks", checked, unchecked, "the same, verify_chunks off",
+             "tokens/s", checked / unchecked});
+  // Checked and unchecked passes alternate, so that drifting load hits both; the best of 20.
+  double first = 0, first_unchecked = 0;
+  for (int run = 0; run < 20; ++run) {
+    first = std::max(first, first_pass_rate(kjv, s, true));
+    first_unchecked = std::max(first_unchecked, first_pass_rate(kjv, s, false));
+  }
+  report(s, {"data", "tokens/first-epoch/chunk-checks", first, first_unchecked,
+             "the same, verify_chunks off", "tokens/s", first / first_unchecked});
+}
+
 // Seconds for restore() then the first next() at `position` of an epoch.
 double restore_seconds(loom::data::Reader& reader, uint64_t position) {
   const auto state = reader.state();
@@ -293,6 +337,7 @@ int run(const Settings& s) {
            .per_sample = static_cast<double>(s.seq_len),
            .python_kind = "tokens",
            .python_path = (kjv / "tokens_00000.bin").string()});
+  chunk_check_cost(s, kjv);
   const fs::path fashion = work / "fashion";
   compare(s, work,
           {.label = "fashion-mnist",
