@@ -8,6 +8,8 @@ and writer written here from the format's description (Debian packages no safete
   tensor_files.py save-torch FILE OUT.json         torch.save(a module's state_dict() + extras)
   tensor_files.py save-safetensors FILE OUT.json   the same tensors as safetensors
   tensor_files.py save-hostile-torch DIR OUT.json  torch.save-like files Loom must refuse
+  tensor_files.py resave-torch FILE OUT.json       torch.load(FILE), then torch.save of that
+                                                   state_dict to FILE.python.pt, and dump it
 
 OUT.json: {"tensors": {name: {"dtype", "shape", "hex"}}, "metadata": {...}, "input_hex",
 "output_hex"}: for save-*, the module's output on a fixed input, to compare with Loom's.
@@ -152,6 +154,11 @@ def main():
         assert isinstance(loaded, dict), type(loaded)
         record["tensors"] = {k: describe(v) for k, v in loaded.items()}
         record["type"] = type(loaded).__name__
+    elif command == "resave-torch":
+        loaded = torch.load(path)
+        state = collections.OrderedDict((k, v.clone()) for k, v in loaded.items())
+        torch.save(state, path + ".python.pt")
+        record["tensors"] = {k: describe(v) for k, v in state.items()}
     elif command == "dump-safetensors":
         record["tensors"], record["metadata"] = read_safetensors(path)
     elif command == "save-hostile-torch":
