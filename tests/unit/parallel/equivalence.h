@@ -242,7 +242,12 @@ inline void check_equivalence(comm::Group& group, ZeroStage stage) {
     train_data_parallel(dp, *model, group.rank(), world, s);
     const auto init = initial_parameters();  // training moved the parameters (not vacuous)
     EXPECT_GT(relative_error(model->fc2->weight.detach(), init.at("fc2.weight")), 1e-3) << s.name;
-    const bool bitwise = world == 1 && s.micro_steps == 1;
+    // Bitwise at W = 1 unless accumulation or clipping is on. Clipping: torch's norm is the
+    // float norm of the per-parameter float norms; DataParallel's is the square root of a
+    // double sum of per-bucket-slice float norms (the same at any bucket layout and world
+    // size). The two norms differ in the last float bit (~1e-7 relative), and so does the
+    // clipping coefficient; the 1e-6 tolerance covers that after three steps.
+    const bool bitwise = world == 1 && s.micro_steps == 1 && s.clip == 0;
     expect_parameters_match(
         *model, expected, bitwise ? 0.0 : 1e-6,
         std::string(to_string(stage)) + "/" + s.name + " at W=" + std::to_string(world));
