@@ -540,33 +540,40 @@ TEST_F(Launcher, TlsOptionsAreCheckedAndFilesNamed) {
 // A worker fails just after the coordinator went away (the worker itself SIGKILLs node 0's
 // agent, which hosts it): reporting the failure fails. The agent must say so and exit 1 when
 // its next heartbeat finds the coordinator gone, stopping its workers, not std::terminate
-// (SIGABRT, 134) with its output thread still running. A heartbeat that happens to be in
-// flight at the kill would take the "lost the coordinator" path without the report; the window
-// is about a millisecond of each 500 ms.
+// (SIGABRT, 134) with its output thread still running. A heartbeat in flight at the kill, or
+// one that lands before the agent has seen its worker exit (more likely on a loaded machine),
+// takes the "lost the coordinator" path without the report: also exit 1, but not the path
+// under test, so the test tries up to three times to get the report path.
 TEST_F(Launcher, AFailureTheCoordinatorCannotHearEndsTheAgentCleanly) {
-  TempDir dir;
-  const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
-  auto args = [&](int node) {
-    return std::vector<std::string>{
-        "--nnodes",      "2",         "--nproc-per-node", "1",
-        "--coordinator", coordinator, "--node-rank",      std::to_string(node)};
-  };
-  Launch node0 = launch(dir, "node0", args(0), {});
-  Launch node1 =
-      launch(dir, "node1", args(1),
-             {"--probe.kill_pid=" + std::to_string(node0.process.pid()), "--probe.exit_code=7"});
-  EXPECT_EQ(finish(node0), 128 + SIGKILL) << node0.text();
-  EXPECT_EQ(finish(node1), 1) << node1.text();
-  const std::string out = node1.text();
-  EXPECT_NE(out.find("[loom run] rank 1 exited with code 7\n"), std::string::npos) << out;
-  // The call fails as a broken connection or, reconnecting, as no answer in time.
-  const std::string said = "[loom run] could not report the failure to the coordinator: ";
-  const auto at = out.find(said);
-  ASSERT_NE(at, std::string::npos) << out;
-  const std::string line = out.substr(at, out.find('\n', at) - at);
-  EXPECT_NE(line.find(coordinator), std::string::npos) << line;
-  EXPECT_NE(line.find("ReportFailure"), std::string::npos) << line;
-  EXPECT_NE(out.find("[loom run] lost the coordinator: "), std::string::npos) << out;
+  bool reported = false;
+  for (int attempt = 0; attempt < 3 && !reported; ++attempt) {
+    TempDir dir;
+    const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
+    auto args = [&](int node) {
+      return std::vector<std::string>{
+          "--nnodes",      "2",         "--nproc-per-node", "1",
+          "--coordinator", coordinator, "--node-rank",      std::to_string(node)};
+    };
+    Launch node0 = launch(dir, "node0", args(0), {});
+    Launch node1 =
+        launch(dir, "node1", args(1),
+               {"--probe.kill_pid=" + std::to_string(node0.process.pid()), "--probe.exit_code=7"});
+    EXPECT_EQ(finish(node0), 128 + SIGKILL) << node0.text();
+    EXPECT_EQ(finish(node1), 1) << node1.text();  // either path: never 134
+    const std::string out = node1.text();
+    EXPECT_NE(out.find("[loom run] lost the coordinator: "), std::string::npos) << out;
+    // The call fails as a broken connection or, reconnecting, as no answer in time.
+    const std::string said = "[loom run] could not report the failure to the coordinator: ";
+    const auto at = out.find(said);
+    if (at == std::string::npos) continue;  // the heartbeat found the coordinator gone first
+    reported = true;
+    EXPECT_NE(out.find("[loom run] rank 1 exited with code 7\n"), std::string::npos) << out;
+    const std::string line = out.substr(at, out.find('\n', at) - at);
+    EXPECT_NE(line.find(coordinator), std::string::npos) << line;
+    EXPECT_NE(line.find("ReportFailure"), std::string::npos) << line;
+  }
+  EXPECT_TRUE(reported) << "three attempts, and the heartbeat found the coordinator gone first "
+                           "each time: the report path was never taken";
 }
 
 TEST_F(Launcher, BadArgumentsAreClearErrors) {
