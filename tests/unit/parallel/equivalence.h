@@ -93,10 +93,13 @@ inline at::Tensor loss_of(Mlp& model, const at::Tensor& x, const at::Tensor& y,
 // Single-process training on the concatenated batch with torch::optim. For bf16, the
 // reference is computed the way the ranks do it: each rank's micro-batches accumulate bf16
 // gradients; they are averaged in fp32 and rounded to bf16 (what the all-reduce does), and
-// torch::optim steps fp32 masters that are rounded into the bf16 parameters.
-inline std::map<std::string, at::Tensor> reference_training(int world, const Scenario& s) {
+// torch::optim steps fp32 masters that are rounded into the bf16 parameters. The model and
+// the batches live on `device` (the GPU tests' reference); the result is on the host.
+inline std::map<std::string, at::Tensor> reference_training(int world, const Scenario& s,
+                                                            const at::Device& device = at::kCPU) {
   const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
   auto model = make_model(dtype);
+  model->to(device);
   std::vector<at::Tensor> params = model->parameters();
   std::vector<at::Tensor> masters;
   for (const at::Tensor& p : params) {
@@ -114,7 +117,8 @@ inline std::map<std::string, at::Tensor> reference_training(int world, const Sce
         stepped, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
   }
   for (int step = 0; step < s.steps; ++step) {
-    const auto [x, y] = global_batch(step, world, s);
+    const auto [host_x, host_y] = global_batch(step, world, s);
+    const at::Tensor x = host_x.to(device), y = host_y.to(device);
     if (!s.bf16) {
       for (at::Tensor& p : params) p.mutable_grad() = at::Tensor();
       loss_of(*model, x, y, dtype).backward();
@@ -123,7 +127,7 @@ inline std::map<std::string, at::Tensor> reference_training(int world, const Sce
       continue;
     }
     std::vector<at::Tensor> sums;
-    for (const at::Tensor& p : params) sums.push_back(at::zeros(p.sizes(), at::kFloat));
+    for (const at::Tensor& p : params) sums.push_back(at::zeros_like(p, at::kFloat));
     for (int r = 0; r < world; ++r) {
       for (at::Tensor& p : params) p.mutable_grad() = at::zeros_like(p);
       for (int m = 0; m < s.micro_steps; ++m) {
@@ -141,7 +145,7 @@ inline std::map<std::string, at::Tensor> reference_training(int world, const Sce
   }
   std::map<std::string, at::Tensor> out;
   for (const auto& item : model->named_parameters())
-    out[item.key()] = item.value().detach().clone();
+    out[item.key()] = item.value().detach().cpu().clone();
   return out;
 }
 
