@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -43,9 +44,14 @@ using std::chrono::milliseconds;
 // send/recv tags get a prefix of their own so they never match a collective's messages.
 constexpr uint64_t kSendRecvSlotBase = uint64_t{0x40} << 56;
 
+// gloo reports an op that ran past its own deadline as an IoException "Timed out waiting ...":
+// that is a Timeout, like a Work wait that passes its deadline first (which of the two fires
+// first is a race when both have the op's timeout), not a broken connection.
 [[noreturn]] void throw_gloo_error(const char* call, const char* what, const char* file, int line) {
   const std::string where = std::filesystem::path(file).filename().string();
-  throw CommError(detail::concat(call, " failed: ", what, " [", where, ":", line, "]"));
+  const std::string message = detail::concat(call, " failed: ", what, " [", where, ":", line, "]");
+  if (std::strstr(what, "Timed out") != nullptr) throw Timeout(message);
+  throw CommError(message);
 }
 
 }  // namespace
@@ -294,7 +300,8 @@ class GlooGroup final : public Group {
   void p2p_loop();
   void run_op(Op& op);
   void finish(Op& op, std::exception_ptr error);
-  void fail(Op& op, const std::string& why);
+  // Completes op with CommError (or Timeout when timed_out) naming it; marks the group broken.
+  void fail(Op& op, const std::string& why, bool timed_out = false);
   // Gloo's tensors live on the CPU.
   internal::OpPlace place() const { return {state_->rank, state_->size, at::Device(at::kCPU)}; }
   WorkPtr post_transfer(const char* op, const at::Tensor& tensor, int peer,
@@ -428,6 +435,8 @@ void GlooGroup::run_op(Op& op) {
       op.run(op.tag);  // the same on every rank that is in step
       finish(op, nullptr);
     }
+  } catch (const Timeout& e) {
+    fail(op, e.what(), /*timed_out=*/true);
   } catch (const std::exception& e) {
     fail(op, e.what());
   }
@@ -451,6 +460,7 @@ void GlooGroup::p2p_loop() {
       continue;
     }
     std::string error;
+    bool timed_out = false;
     try {
       const Transfer& transfer = pending.transfer;
       const milliseconds left =
@@ -460,6 +470,9 @@ void GlooGroup::p2p_loop() {
       LOOM_GLOO_CHECK(done = transfer.is_send ? transfer.buffer->waitSend(left)
                                               : transfer.buffer->waitRecv(left));
       if (!done) error = "the group was destroyed while the transfer was pending";
+    } catch (const Timeout& e) {
+      error = e.what();
+      timed_out = true;
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -470,7 +483,7 @@ void GlooGroup::p2p_loop() {
     if (error.empty()) {
       finish(pending.op, nullptr);
     } else {
-      fail(pending.op, error);
+      fail(pending.op, error, timed_out);
     }
   }
 }
@@ -480,14 +493,16 @@ void GlooGroup::finish(Op& op, std::exception_ptr error) {
   op.work->complete(std::move(error));
 }
 
-void GlooGroup::fail(Op& op, const std::string& why) {
+void GlooGroup::fail(Op& op, const std::string& why, bool timed_out) {
   // The first failure dumps the flight recorder; later ones only repeat why.
   const bool first = state_->mark_broken(detail::concat(op.label, " failed: ", why));
   const std::string note = first ? state_->dump_flight() : "";
-  finish(op,
-         std::make_exception_ptr(CommError(detail::concat(
-             op.label, " of gloo group ", state_->description, " failed: ", why,
-             ". The group is unusable; destroy and rebuild it.", note.empty() ? "" : " ", note))));
+  const std::string message = detail::concat(op.label, " of gloo group ", state_->description,
+                                             timed_out ? " timed out: " : " failed: ", why,
+                                             ". The group is unusable; destroy and rebuild it.",
+                                             note.empty() ? "" : " ", note);
+  finish(op, timed_out ? std::make_exception_ptr(Timeout(message))
+                       : std::make_exception_ptr(CommError(message)));
 }
 
 // --- the ops -------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ TEST(FlightDiffEndToEnd, NamesTheAllReduceRankOneSkipped) {
           try {
             group->all_reduce(t, {.timeout = std::chrono::seconds(3)})->wait();
           } catch (const Error&) {
-            return;  // the op timed out in Gloo (CommError): the group dumped its recorder
+            return;  // the op timed out in Gloo (Timeout): the group dumped its recorder
           }
         }
       },

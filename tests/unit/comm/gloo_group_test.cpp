@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "harness/harness.h"
@@ -220,6 +221,25 @@ TEST(GlooGroup, WaitTimeoutNamesOpDumpsFlightAndBreaksTheGroup) {
     // The group is broken: the next op fails fast (once #2 has ended) and says why.
     expect_throw_naming<CommError>([&] { group->barrier({.timeout = kOpTimeout})->wait(); },
                                    {"barrier #3", "broken", "all_reduce #2 timed out"});
+  }));
+}
+
+// An op that outlives its own timeout inside gloo, before anyone waits on it, is a Timeout
+// too (not a CommError): gloo's deadline and the wait's race when both are the op's timeout.
+TEST(GlooGroup, AnOpPastItsTimeoutBeforeTheWaitIsATimeout) {
+  expect_all_ok(run_threads(2, [&](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+    if (r.rank == 1) {  // never issues the all-reduce; stays until rank 0 has seen the error
+      r.store.get("rank0_done", kOpTimeout);
+      return;
+    }
+    at::Tensor tensor = at::ones({3});
+    WorkPtr stuck = group->all_reduce(tensor, {.timeout = milliseconds(200)});
+    std::this_thread::sleep_for(milliseconds(800));  // gloo's 200 ms pass before the wait
+    EXPECT_TRUE(stuck->is_completed());
+    expect_throw_naming<Timeout>([&] { stuck->wait(milliseconds(5000)); },
+                                 {"all_reduce #1", "timed out", "Timed out waiting"});
+    r.store.set("rank0_done", "1");
   }));
 }
 
