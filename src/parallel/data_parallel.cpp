@@ -60,7 +60,10 @@ struct Bucket {
   int64_t shard_begin = 0;
   int64_t shard_end = 0;  // this rank's slice of the padded buffer ([0, padded) for kNone)
   at::Tensor data;        // flat parameters
-  at::Tensor grad;        // flat gradients (the parameters' .grad() are views)
+  // Flat gradients. kNone/kOne: allocated once, and the parameters' .grad() are views into it.
+  // kTwo: a staging buffer that exists only from the bucket's first gradient of a synced
+  // backward until its reduce-scatter completes; the parameters' .grad() are then released.
+  at::Tensor grad;
   at::Tensor grad_shard;  // kTwo: the reduced gradient of this rank's slice
   at::Tensor master;      // fp32 copy of the slice when the bucket is not fp32 (master weights)
   std::vector<at::Tensor> state;  // the optimizer's state for the slice, fp32
@@ -124,6 +127,8 @@ struct DataParallel::Impl {
   int next_bucket = 0;           // buckets are launched in index order on every rank
   int launched_in_backward = 0;  // buckets launched by hooks in the current sync window
   SyncStats stats;
+  int64_t gradient_bytes = 0;       // live bytes of the buffers below, now
+  int64_t peak_gradient_bytes = 0;  // and at their most in the current sync window
   std::unique_ptr<optim::FlatOptimizer> optimizer;
   int64_t steps = 0;
 
@@ -259,13 +264,24 @@ struct DataParallel::Impl {
     return buckets[p.bucket].grad.narrow(0, p.offset, p.numel).view(p.shape);
   }
 
+  bool sharded_gradients() const { return options.zero_stage == ZeroStage::kTwo; }
+
+  // Gradient memory accounting: every gradient buffer DataParallel allocates or releases.
+  void count_gradient_bytes(const at::Tensor& t, int sign) {
+    gradient_bytes += sign * t.numel() * static_cast<int64_t>(t.element_size());
+    peak_gradient_bytes = std::max(peak_gradient_bytes, gradient_bytes);
+  }
+
   void move_into_buckets() {
     torch::NoGradGuard no_grad;
     for (Bucket& bucket : buckets) {
       bucket.data = at::zeros({bucket.padded}, on_device(bucket.dtype));
-      bucket.grad = at::zeros({bucket.padded}, on_device(bucket.dtype));
-      if (options.zero_stage == ZeroStage::kTwo) {
-        bucket.grad_shard = at::zeros({bucket.shard_size()}, bucket.grad.options());
+      if (sharded_gradients()) {
+        bucket.grad_shard = at::zeros({bucket.shard_size()}, on_device(bucket.dtype));
+        count_gradient_bytes(bucket.grad_shard, +1);
+      } else {
+        bucket.grad = at::zeros({bucket.padded}, on_device(bucket.dtype));
+        count_gradient_bytes(bucket.grad, +1);
       }
     }
     for (Param& p : params) {
@@ -273,7 +289,7 @@ struct DataParallel::Impl {
       at::Tensor view = bucket.data.narrow(0, p.offset, p.numel).view(p.shape);
       view.copy_(p.tensor);
       p.tensor.set_data(view);
-      p.tensor.mutable_grad() = grad_view(p);
+      p.tensor.mutable_grad() = sharded_gradients() ? at::Tensor() : grad_view(p);
     }
   }
 
@@ -306,6 +322,10 @@ struct DataParallel::Impl {
   // --- gradient sync ------------------------------------------------------------------------
 
   void on_gradient_accumulated(int index) {
+    if (sharded_gradients()) {
+      on_gradient_accumulated_sharded(index);
+      return;
+    }
     Param& p = params[index];
     const at::Tensor view = grad_view(p);
     const at::Tensor& grad = p.tensor.grad();
@@ -328,6 +348,85 @@ struct DataParallel::Impl {
     ++arrived;
     --buckets[p.bucket].pending;
     if (options.overlap) launch_ready_buckets(/*during_backward=*/true);
+  }
+
+  // kTwo: outside a synced backward the gradient stays in .grad() (allocated by autograd, as
+  // without DataParallel), so micro-steps accumulate there. In a synced backward it moves into
+  // the bucket's staging buffer and .grad() is released at once; the staging buffer lives until
+  // the bucket's reduce-scatter completes.
+  void on_gradient_accumulated_sharded(int index) {
+    Param& p = params[index];
+    if (!sync) return;
+    LOOM_CHECK(!p.ready, InvalidArgument, "DataParallel: parameter '", p.name,
+               "' got a second gradient before finish_gradient_sync; run micro-steps of gradient "
+               "accumulation under no_sync()");
+    stage_gradient(p);
+    p.ready = true;
+    ++arrived;
+    --buckets[p.bucket].pending;
+    release_reduced_staging();
+    if (options.overlap) launch_ready_buckets(/*during_backward=*/true);
+  }
+
+  // Moves p's accumulated .grad() (none: zero) into its bucket's staging buffer.
+  void stage_gradient(Param& p) {
+    torch::NoGradGuard no_grad;
+    Bucket& bucket = buckets[p.bucket];
+    if (!bucket.grad.defined()) {  // zeros: padding, and parameters that got no gradient
+      limit_staging();
+      bucket.grad = at::zeros({bucket.padded}, on_device(bucket.dtype));
+      count_gradient_bytes(bucket.grad, +1);
+    }
+    at::Tensor& grad = p.tensor.mutable_grad();
+    if (grad.defined()) grad_view(p).copy_(grad);
+    grad = at::Tensor();
+  }
+
+  // kTwo: drops the staging buffers of launched buckets whose reduce-scatter has completed
+  // (an op keeps its own reference to its input until it is done).
+  void release_reduced_staging() {
+    for (int b = 0; b < next_bucket; ++b) {
+      Bucket& bucket = buckets[b];
+      if (bucket.grad.defined() && bucket.work && bucket.work->is_completed()) {
+        count_gradient_bytes(bucket.grad, -1);
+        bucket.grad = at::Tensor();
+      }
+    }
+  }
+
+  // Before a new staging buffer: while max_staging_buckets are alive, waits for the oldest
+  // launched one's reduce-scatter and frees it. Buckets that are still filling are never waited
+  // for (they cannot launch before this gradient is staged), so the limit may be passed by them.
+  void limit_staging() {
+    if (options.max_staging_buckets <= 0) return;
+    release_reduced_staging();
+    for (;;) {
+      int alive = 0;
+      int oldest_launched = -1;
+      for (int b = 0; b < static_cast<int>(buckets.size()); ++b) {
+        if (!buckets[b].grad.defined()) continue;
+        ++alive;
+        if (b < next_bucket && oldest_launched < 0) oldest_launched = b;
+      }
+      if (alive < options.max_staging_buckets || oldest_launched < 0) return;
+      wait_for_bucket(oldest_launched, Clock::now() + options.timeout);
+      release_reduced_staging();
+    }
+  }
+
+  // Waits for bucket b's reduction; Timeout and CommError name the bucket.
+  void wait_for_bucket(int b, Clock::time_point deadline) {
+    try {
+      buckets[b].work->wait(remaining(deadline));
+    } catch (const Timeout& e) {
+      throw Timeout(detail::concat(
+          "DataParallel on rank ", rank, ": the reduction of ", describe_bucket(b),
+          " did not finish within ", options.timeout.count(),
+          " ms; did a peer skip backward or finish_gradient_sync? (", e.what(), ")"));
+    } catch (const CommError& e) {
+      throw CommError(detail::concat("DataParallel on rank ", rank, ": the reduction of ",
+                                     describe_bucket(b), " failed: ", e.what()));
+    }
   }
 
   void launch_ready_buckets(bool during_backward) {
@@ -353,7 +452,12 @@ struct DataParallel::Impl {
     for (Bucket& bucket : buckets) {
       bucket.pending = static_cast<int>(bucket.params.size());
       bucket.work.reset();
+      if (sharded_gradients() && bucket.grad.defined()) {  // a failed sync: drop its staging
+        count_gradient_bytes(bucket.grad, -1);
+        bucket.grad = at::Tensor();
+      }
     }
+    peak_gradient_bytes = gradient_bytes;
     arrived = 0;
     next_bucket = 0;
     launched_in_backward = 0;
@@ -383,6 +487,7 @@ struct DataParallel::Impl {
                  "building DataParallel, or set find_unused_parameters");
       for (Param& p : params) {
         if (!p.ready) {
+          if (sharded_gradients()) stage_gradient(p);
           p.ready = true;
           --buckets[p.bucket].pending;
         }
@@ -390,22 +495,12 @@ struct DataParallel::Impl {
     }
     launch_ready_buckets(/*during_backward=*/false);  // the rest (all of them without overlap)
     const Clock::time_point deadline = start + options.timeout;
-    for (int b = 0; b < static_cast<int>(buckets.size()); ++b) {
-      try {
-        buckets[b].work->wait(remaining(deadline));
-      } catch (const Timeout& e) {
-        throw Timeout(detail::concat(
-            "DataParallel on rank ", rank, ": the reduction of ", describe_bucket(b),
-            " did not finish within ", options.timeout.count(),
-            " ms; did a peer skip backward or finish_gradient_sync? (", e.what(), ")"));
-      } catch (const CommError& e) {
-        throw CommError(detail::concat("DataParallel on rank ", rank, ": the reduction of ",
-                                       describe_bucket(b), " failed: ", e.what()));
-      }
-    }
+    for (int b = 0; b < static_cast<int>(buckets.size()); ++b) wait_for_bucket(b, deadline);
+    if (sharded_gradients()) release_reduced_staging();
     stats.buckets = static_cast<int>(buckets.size());
     stats.buckets_launched_during_backward = launched_in_backward;
     stats.wait_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    stats.peak_gradient_bytes = peak_gradient_bytes;
   }
 
   // The reduced gradient of this rank's slice of bucket b.
@@ -688,8 +783,14 @@ const SyncStats& DataParallel::last_sync_stats() const { return impl_->stats; }
 void DataParallel::zero_grad() {
   torch::NoGradGuard no_grad;
   for (Bucket& bucket : impl_->buckets) {
-    bucket.grad.zero_();
-    if (bucket.grad_shard.defined()) bucket.grad_shard.zero_();
+    if (impl_->sharded_gradients()) {
+      bucket.grad_shard.zero_();
+    } else {
+      bucket.grad.zero_();
+    }
+  }
+  if (impl_->sharded_gradients()) {  // gradients accumulated under no_sync are dropped
+    for (Param& p : impl_->params) p.tensor.mutable_grad() = at::Tensor();
   }
 }
 

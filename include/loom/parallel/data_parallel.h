@@ -20,11 +20,17 @@
 // micro-step accumulation is already in the buffer; when a bucket's parameters are all ready it
 // is reduced asynchronously, buckets always in index order on every rank.
 //
+// ZeRO-2 (kTwo) keeps no full-size gradients: in a synced backward each parameter's gradient
+// moves from .grad() into its bucket's staging buffer as it arrives (.grad() is then undefined),
+// and the staging buffer is freed once the bucket's reduce-scatter into this rank's gradient
+// shard completes. Under no_sync gradients accumulate in .grad() as without DataParallel.
+//
 // Ownership: the DataParallel shares the module and must not outlive the group. It rewires the
-// module's parameters (set_data to views) and their .grad(); do not replace them (a replaced
-// .grad() is copied back into the bucket at the next hook). Thread safety: one thread at a time,
-// the one that runs backward. Collective calls (construction, finish_gradient_sync with sync on,
-// clip_grad_norm, step, load_state) must be made by every rank in the same order.
+// module's parameters (set_data to views) and, for kNone/kOne, their .grad(); do not replace
+// them (a replaced .grad() is copied back into the bucket at the next hook). Thread safety: one
+// thread at a time, the one that runs backward. Collective calls (construction,
+// finish_gradient_sync with sync on, clip_grad_norm, step, load_state) must be made by every rank
+// in the same order.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -71,6 +77,10 @@ struct DataParallelOptions {
   // false: buckets are reduced only in finish_gradient_sync, after backward (to measure what
   // overlap hides; never faster).
   bool overlap = true;
+  // kTwo: at most this many buckets' full-size staging buffers at once. Backward that needs
+  // another first waits for the oldest reduce-scatter in flight (when one is in flight). 0: no
+  // limit. Gradient bytes per rank are then about padded/W + this many buckets.
+  int max_staging_buckets = 2;
 };
 
 // What the last finish_gradient_sync cost; for benchmarks and logs.
@@ -78,6 +88,11 @@ struct SyncStats {
   int buckets_launched_during_backward = 0;  // reduced while backward still ran
   int buckets = 0;                           // all buckets
   double wait_seconds = 0;                   // time finish_gradient_sync blocked on communication
+  // The most bytes of gradient buffers DataParallel held at once in that sync window: the
+  // full-size bucket buffers for kNone/kOne; for kTwo the gradient shards plus the staging
+  // buffers of the buckets not yet reduce-scattered (gradients that autograd holds in .grad()
+  // before DataParallel takes them, one parameter at a time, are not counted).
+  int64_t peak_gradient_bytes = 0;
 };
 
 class DataParallel {

@@ -6,7 +6,8 @@
 //   kOne   ZeRO-1: gradients all-reduced; each rank keeps optimizer state (and fp32 master
 //          weights) for its slice only, steps it, and the slices are all-gathered back.
 //   kTwo   ZeRO-2: as kOne, but gradients are reduce-scattered: each rank receives only the
-//          reduced gradient of its slice.
+//          reduced gradient of its slice, and keeps no full-size gradient buffer (a bucket's
+//          buffer lives from its first gradient until its reduce-scatter completes).
 // ZeRO-3 (parameters sharded too, gathered before use) is FSDP, not built yet.
 #pragma once
 

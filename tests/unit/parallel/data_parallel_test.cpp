@@ -9,8 +9,11 @@
 
 #include <chrono>
 #include <iostream>
+#include <map>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "harness/harness.h"
 #include "loom/ckpt/state.h"
@@ -190,10 +193,14 @@ struct PartlyUsed : Mlp {
 TEST(DataParallel, UnusedParametersAreNamedOrReducedOnRequest) {
   expect_all_ok(run_threads(2, [](Rank& r) {
     auto group = make_group(r);
-    for (bool find_unused : {false, true}) {
+    for (const auto& [stage, find_unused] : {std::pair{ZeroStage::kNone, false},
+                                             {ZeroStage::kNone, true},
+                                             {ZeroStage::kTwo, false},
+                                             {ZeroStage::kTwo, true}}) {
       auto model = std::make_shared<PartlyUsed>();
       DataParallel dp(model, *group,
                       {.bucket_bytes = 300,
+                       .zero_stage = stage,
                        .find_unused_parameters = find_unused,
                        .timeout = std::chrono::seconds(20)});
       dp.set_optimizer(std::make_unique<optim::Sgd>());
@@ -206,9 +213,14 @@ TEST(DataParallel, UnusedParametersAreNamedOrReducedOnRequest) {
         // The used buckets were reduced on both ranks alike: the group stays in step.
         group->barrier({.timeout = std::chrono::seconds(20)})->wait();
       } else {
+        const at::Tensor fc3_before = model->fc3->weight.detach().clone();
         dp.finish_gradient_sync();
         dp.step();
-        EXPECT_TRUE(model->fc3->weight.grad().abs().sum().item<double>() == 0);
+        // A zero gradient: plain SGD leaves the parameter as it was.
+        EXPECT_TRUE(model->fc3->weight.detach().equal(fc3_before)) << to_string(stage);
+        if (stage == ZeroStage::kNone) {
+          EXPECT_TRUE(model->fc3->weight.grad().abs().sum().item<double>() == 0);
+        }
       }
     }
   }));
@@ -233,6 +245,59 @@ TEST(DataParallel, NoSyncAccumulatesWithoutCommunication) {
     EXPECT_FALSE(
         all.narrow(0, 0, local.numel()).equal(all.narrow(0, local.numel(), local.numel())));
   }));
+}
+
+// 48 equal layers: with 8 KiB buckets, one bucket of about 9 KiB per layer.
+struct LayerStack : torch::nn::Module {
+  LayerStack() {
+    for (int i = 0; i < 48; ++i) {
+      layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(48, 48)));
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& layer : layers) x = torch::tanh(layer(x));
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+
+// ZeRO-2 keeps this rank's gradient shard and at most max_staging_buckets full-size buckets
+// alive; DDP keeps every bucket. At W = 4: 1/4 of the gradients plus 2 of 48 buckets, about
+// 0.29 of DDP's. And the parameters' .grad() are released after the sync.
+TEST(DataParallel, ZeroTwoHoldsAQuarterOfTheGradientsAtFourRanks) {
+  torch::set_num_threads(1);
+  std::map<ZeroStage, int64_t> peak;  // rank 0's peak gradient bytes in the last step
+  std::mutex mutex;
+  for (ZeroStage stage : {ZeroStage::kNone, ZeroStage::kTwo}) {
+    expect_all_ok(run_threads(4, [&](Rank& r) {
+      auto group = make_group(r);
+      auto model = std::make_shared<LayerStack>();
+      DataParallel dp(
+          model, *group,
+          {.bucket_bytes = 8 << 10, .zero_stage = stage, .timeout = std::chrono::seconds(60)});
+      EXPECT_EQ(dp.bucket_count(), 48);
+      dp.set_optimizer(std::make_unique<optim::AdamW>());
+      for (int step = 0; step < 2; ++step) {
+        dp.zero_grad();
+        model->forward(at::full({4, 48}, 0.1 * (r.rank + 1))).square().mean().backward();
+        dp.finish_gradient_sync();
+        dp.step();
+      }
+      if (stage == ZeroStage::kTwo) {
+        for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+      }
+      if (r.rank == 0) {
+        std::lock_guard<std::mutex> lock(mutex);
+        peak[stage] = dp.last_sync_stats().peak_gradient_bytes;
+      }
+    }));
+  }
+  const double share = static_cast<double>(peak[ZeroStage::kTwo]) / peak[ZeroStage::kNone];
+  std::cout << "peak gradient bytes per rank at W=4: DDP " << peak[ZeroStage::kNone] << ", ZeRO-2 "
+            << peak[ZeroStage::kTwo] << " (" << share << " of DDP's)\n";
+  EXPECT_EQ(peak[ZeroStage::kNone], 48 * 2352 * 4);  // 48 buckets of 2352 floats, none padded
+  EXPECT_GE(share, 0.25);
+  EXPECT_LE(share, 0.25 + 2.0 / 48 + 1e-9);
 }
 
 // A ZeRO-1 AdamW run at W = 1 saves its state; ranks at W = 2 and 3 load the re-sliced state
