@@ -2,6 +2,7 @@
 #include "config.h"
 
 #include <loom/error.h>
+#include <loom/parallel/data_parallel.h>
 #include <loom/train/trainer.h>
 
 #include <string>
@@ -10,6 +11,7 @@ namespace gpt {
 
 loom::ConfigSchema config_schema() {
   loom::ConfigSchema s = loom::train::TrainOptions::schema();  // train.steps, train.lr, ...
+  s.merge(loom::parallel::DataParallelOptions::schema());      // parallel.mode, ...
   s.add("data.train", "data/kjv-train-bpe",
         "training token dataset: a directory (loom data build text) or a registry name (kjv@3)");
   s.add("data.val", "data/kjv-val-bpe",

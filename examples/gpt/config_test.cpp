@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 #include <loom/error.h>
+#include <loom/parallel/data_parallel.h>
 #include <loom/runtime.h>
 
 #include <filesystem>
@@ -56,6 +57,25 @@ TEST(GptConfigs, AnUnknownDtypeIsAConfigErrorNamingTheKey) {
     EXPECT_NE(std::string(e.what()).find("model.dtype"), std::string::npos) << e.what();
   }
   EXPECT_EQ(parameter_dtype(load({})), c10::kFloat);
+}
+
+TEST(GptConfigs, ParallelModeChoosesTheZeroStageAndBadModesNameTheKey) {
+  using loom::parallel::DataParallelOptions;
+  using loom::parallel::ZeroStage;
+  EXPECT_EQ(DataParallelOptions::from(load({})).zero_stage, ZeroStage::kNone);
+  EXPECT_EQ(DataParallelOptions::from(load({"--parallel.mode=zero1"})).zero_stage, ZeroStage::kOne);
+  const DataParallelOptions zero2 =
+      DataParallelOptions::from(load({"--parallel.mode=zero2", "--parallel.bucket_mb=2"}));
+  EXPECT_EQ(zero2.zero_stage, ZeroStage::kTwo);
+  EXPECT_EQ(zero2.bucket_bytes, size_t{2} << 20);
+  for (const char* bad : {"--parallel.mode=zero4", "--parallel.bucket_mb=0"}) {
+    try {
+      DataParallelOptions::from(load({bad}));
+      ADD_FAILURE() << bad << ": expected a ConfigError";
+    } catch (const loom::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("parallel."), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

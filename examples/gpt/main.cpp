@@ -102,9 +102,11 @@ void train(loom::Runtime& rt) {
       reader->manifest().total_items(), reader->num_samples(), cfg.get<std::string>("data.val"),
       val.num_samples(), global_batch, rt.world_size());
 
-  // Data parallelism with Loom's AdamW (betas 0.9/0.95, GPT-2/nanoGPT practice). Its weight
-  // decay applies to every parameter, LayerNorms and biases included.
-  loom::parallel::DataParallel dp(model.ptr(), rt.world_group(), rt.control_group());
+  // Data parallelism (parallel.mode: DDP, ZeRO-1 or ZeRO-2) with Loom's AdamW (betas 0.9/0.95,
+  // GPT-2/nanoGPT practice). Its weight decay applies to every parameter, LayerNorms and biases
+  // included.
+  loom::parallel::DataParallel dp(model.ptr(), rt.world_group(), rt.control_group(),
+                                  loom::parallel::DataParallelOptions::from(cfg));
   dp.set_optimizer(std::make_unique<loom::optim::AdamW>(
       loom::optim::AdamWOptions{.lr = cfg.get<double>("train.lr"),
                                 .beta2 = 0.95,

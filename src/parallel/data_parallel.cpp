@@ -35,6 +35,37 @@ const char* to_string(ZeroStage stage) {
   return "?";
 }
 
+ConfigSchema DataParallelOptions::schema() {
+  ConfigSchema s;
+  s.add("parallel.mode", "ddp",
+        "ddp (replicated), zero1 (optimizer state sharded) or zero2 (gradients too)");
+  s.add("parallel.bucket_mb", 25.0, "gradient bucket size in MiB (zero2: a few % of the model)");
+  s.add("parallel.find_unused_parameters", false,
+        "reduce parameters that got no gradient as zeros instead of failing naming them");
+  return s;
+}
+
+DataParallelOptions DataParallelOptions::from(const Config& config) {
+  DataParallelOptions o;
+  const std::string mode = config.get<std::string>("parallel.mode");
+  if (mode == "ddp") {
+    o.zero_stage = ZeroStage::kNone;
+  } else if (mode == "zero1") {
+    o.zero_stage = ZeroStage::kOne;
+  } else if (mode == "zero2") {
+    o.zero_stage = ZeroStage::kTwo;
+  } else {
+    throw ConfigError(detail::concat("parallel.mode is '", mode,
+                                     "'; use ddp, zero1 or zero2 (docs/parallel.md)"));
+  }
+  const double mb = config.get<double>("parallel.bucket_mb");
+  LOOM_CHECK(mb > 0 && mb <= 4096, ConfigError, "parallel.bucket_mb is ", mb,
+             "; use a size in MiB in (0, 4096]");
+  o.bucket_bytes = static_cast<size_t>(mb * (1 << 20));
+  o.find_unused_parameters = config.get<bool>("parallel.find_unused_parameters");
+  return o;
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -819,6 +850,25 @@ void DataParallel::step() { impl_->step(); }
 void DataParallel::add_state(ckpt::State& state) { impl_->add_state(state); }
 void DataParallel::load_state(const ckpt::State& state) { impl_->load_state(state); }
 int64_t DataParallel::optimizer_state_bytes() const { return impl_->optimizer_state_bytes(); }
+std::string DataParallel::first_non_finite_gradient() const {
+  for (const Bucket& bucket : impl_->buckets) {
+    for (int i : bucket.params) {
+      const Param& p = impl_->params[i];
+      at::Tensor grad;
+      if (!impl_->sharded_gradients()) {
+        grad = impl_->grad_view(p);
+      } else {
+        const int64_t lo = std::max(bucket.shard_begin, p.offset);
+        const int64_t hi = std::min(bucket.shard_end, p.offset + p.numel);
+        if (lo >= hi) continue;
+        grad = bucket.grad_shard.narrow(0, lo - bucket.shard_begin, hi - lo);
+      }
+      if (!at::isfinite(grad).all().item<bool>()) return p.name;
+    }
+  }
+  return "";
+}
+
 int DataParallel::bucket_count() const { return static_cast<int>(impl_->buckets.size()); }
 
 std::vector<std::string> DataParallel::bucket_parameters(int b) const {

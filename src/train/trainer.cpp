@@ -306,11 +306,8 @@ struct Trainer::Impl {
   }
 
   std::string first_non_finite_parameter() const {
-    for (const auto& item : dp.module().named_parameters()) {
-      const at::Tensor& g = item.value().grad();
-      if (g.defined() && !at::isfinite(g).all().item<bool>()) return item.key();
-    }
-    return "(none on this rank)";
+    const std::string name = dp.first_non_finite_gradient();
+    return name.empty() ? "(none on this rank)" : name;
   }
 
   // LossScaling after a step's norm: an overflow skips the step and backs the scale off; a run

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "loom/comm/group.h"
+#include "loom/config.h"
 #include "loom/parallel/optim.h"
 #include "loom/parallel/zero.h"
 
@@ -81,6 +82,12 @@ struct DataParallelOptions {
   // another first waits for the oldest reduce-scatter in flight (when one is in flight). 0: no
   // limit. Gradient bytes per rank are then about padded/W + this many buckets.
   int max_staging_buckets = 2;
+
+  // The parallel.* config keys: parallel.mode (ddp, zero1 or zero2: zero_stage),
+  // parallel.bucket_mb (bucket_bytes in MiB), parallel.find_unused_parameters.
+  static ConfigSchema schema();
+  // Reads them from a config built with schema(); bad values are ConfigError naming the key.
+  static DataParallelOptions from(const Config& config);
 };
 
 // What the last finish_gradient_sync cost; for benchmarks and logs.
@@ -178,6 +185,11 @@ class DataParallel {
   // e.g. ckpt::load_model_weights): re-derives the fp32 master weights from them. The
   // optimizer state is left as it is.
   void parameters_changed();
+
+  // The first parameter (in bucket order) whose reduced gradient has a NaN or Inf in the part
+  // this rank holds (its slice for kTwo, all of it otherwise); empty when none. After
+  // finish_gradient_sync; reads the gradients back to the host, so for error messages only.
+  std::string first_non_finite_gradient() const;
 
   // Bytes of optimizer state plus master weights held by this rank.
   int64_t optimizer_state_bytes() const;
