@@ -43,6 +43,8 @@ using std::chrono::milliseconds;
 // gloo's collectives put their slot prefix (0x01..0x08) in the top byte of a 64-bit slot;
 // send/recv tags get a prefix of their own so they never match a collective's messages.
 constexpr uint64_t kSendRecvSlotBase = uint64_t{0x40} << 56;
+// Loom's own ring collectives (reduce_scatter) use a third prefix.
+constexpr uint64_t kRingSlotBase = uint64_t{0x20} << 56;
 
 // gloo reports an op that ran past its own deadline as an IoException "Timed out waiting ...":
 // that is a Timeout, like a Work wait that passes its deadline first (which of the two fires
@@ -177,6 +179,100 @@ void allgather_bytes(const std::shared_ptr<gloo::Context>& context, const at::Te
   options.setTag(tag);
   options.setTimeout(timeout);
   LOOM_GLOO_CHECK(gloo::allgather(options));
+}
+
+// Ring reduce-scatter over gloo's unbound buffers, in W - 1 steps: at step s rank r sends its
+// partial result for chunk (r - s - 1) mod W to rank r + 1 and receives the partial result for
+// chunk (r - s - 2) mod W from rank r - 1, to which it adds its own input's part. After the
+// last step that chunk is r, reduced over every rank. Each rank sends (W - 1) / W of the input
+// once: half an all-reduce's traffic. Chunks are shard_range's, so uneven sizes are kept (an
+// empty chunk is skipped by both ends alike). The input is only read.
+template <typename T>
+void reduce_scatter_ring(const std::shared_ptr<gloo::Context>& context, const at::Tensor& input,
+                         const at::Tensor& output, ReduceOp op, uint32_t tag,
+                         milliseconds timeout) {
+  const int world = context->size;
+  const int rank = context->rank;
+  const int64_t n = input.numel();
+  if (world == 1) {
+    output.view(-1).copy_(input.view(-1));
+    return;
+  }
+  const Clock::time_point deadline = Clock::now() + timeout;
+  auto left = [&] {
+    return std::max(milliseconds{1},
+                    std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
+  };
+  auto chunk = [&](int c) { return shard_range(n, world, ((c % world) + world) % world); };
+  const ReduceKernel kernel = reduce_kernel<T>(op);
+  const int64_t most = std::max<int64_t>(1, chunk(0).size());
+  const at::Tensor received = at::empty({most}, input.options());
+  const at::Tensor partial = at::empty({most}, input.options());
+  T* in = static_cast<T*>(input.data_ptr());
+  T* out = static_cast<T*>(output.data_ptr());
+  T* got = static_cast<T*>(received.data_ptr());
+  T* mine = static_cast<T*>(partial.data_ptr());
+  std::unique_ptr<gloo::transport::UnboundBuffer> input_buffer, received_buffer, partial_buffer;
+  LOOM_GLOO_CHECK(input_buffer = context->createUnboundBuffer(in, n * sizeof(T)));
+  LOOM_GLOO_CHECK(received_buffer = context->createUnboundBuffer(got, most * sizeof(T)));
+  LOOM_GLOO_CHECK(partial_buffer = context->createUnboundBuffer(mine, most * sizeof(T)));
+  const uint64_t slot = kRingSlotBase | tag;
+  const int next = (rank + 1) % world;
+  const int prev = (rank + world - 1) % world;
+  for (int step = 0; step < world - 1; ++step) {
+    const ShardRange outgoing = chunk(rank - step - 1);
+    const ShardRange incoming = chunk(rank - step - 2);
+    gloo::transport::UnboundBuffer* sending = step == 0 ? input_buffer.get() : partial_buffer.get();
+    const size_t send_offset = step == 0 ? outgoing.begin * sizeof(T) : 0;
+    if (incoming.size() > 0) {
+      LOOM_GLOO_CHECK(received_buffer->recv(prev, slot, 0, incoming.size() * sizeof(T)));
+    }
+    if (outgoing.size() > 0) {
+      LOOM_GLOO_CHECK(sending->send(next, slot, send_offset, outgoing.size() * sizeof(T)));
+    }
+    bool done = true;
+    if (incoming.size() > 0) LOOM_GLOO_CHECK(done = received_buffer->waitRecv(left()));
+    if (done && outgoing.size() > 0) LOOM_GLOO_CHECK(done = sending->waitSend(left()));
+    LOOM_CHECK(done, CommError, "reduce_scatter: the group was destroyed during the ring");
+    // The chunk received is the next one to send (or, at the last step, this rank's result).
+    T* into = step == world - 2 ? out : mine;
+    kernel(into, in + incoming.begin, got, static_cast<size_t>(incoming.size()));
+  }
+}
+
+// output <- this rank's chunk of op over every rank's input. bf16/fp16 run the ring on fp32
+// copies (one rounding at the end, as all_reduce); kAvg divides the sum once, at the end.
+void reduce_scatter_tensor(const std::shared_ptr<gloo::Context>& context, const at::Tensor& input,
+                           const at::Tensor& output, ReduceOp op, uint32_t tag,
+                           milliseconds timeout) {
+  switch (input.scalar_type()) {
+    case at::kBFloat16:
+    case at::kHalf: {
+      const at::Tensor accumulator = at::empty(output.sizes(), output.options().dtype(at::kFloat));
+      reduce_scatter_tensor(context, input.to(at::kFloat), accumulator, op, tag, timeout);
+      output.copy_(accumulator);
+      return;
+    }
+    case at::kFloat:
+      reduce_scatter_ring<float>(context, input, output, op, tag, timeout);
+      break;
+    case at::kDouble:
+      reduce_scatter_ring<double>(context, input, output, op, tag, timeout);
+      break;
+    case at::kInt:
+      reduce_scatter_ring<int32_t>(context, input, output, op, tag, timeout);
+      break;
+    case at::kLong:
+      reduce_scatter_ring<int64_t>(context, input, output, op, tag, timeout);
+      break;
+    case at::kByte:
+      reduce_scatter_ring<uint8_t>(context, input, output, op, tag, timeout);
+      break;
+    default:
+      throw InvalidArgument(detail::concat("reduce_scatter: unsupported dtype ",
+                                           internal::dtype_name(input.scalar_type())));
+  }
+  if (op == ReduceOp::kAvg) output.div_(context->size);
 }
 
 // --- bootstrap -----------------------------------------------------------------------------
@@ -544,18 +640,11 @@ WorkPtr GlooGroup::all_reduce_coalesced(std::vector<at::Tensor>& tensors,
 WorkPtr GlooGroup::reduce_scatter(at::Tensor& output, const at::Tensor& input,
                                   const ReduceScatterOptions& options) {
   internal::check_reduce_scatter(place(), output, input, options.op);
-  const ShardRange shard = shard_range(input.numel(), size(), rank());
   Op body;
   body.empty = input.numel() == 0;
-  // Gloo has no reduce-scatter for uneven chunks, so this all-reduces a copy of the input and
-  // keeps this rank's shard: about twice the traffic of a ring reduce-scatter, and one extra
-  // input-sized temporary. Correct for every size; a native one is a later optimisation.
-  body.run = [context = context_, output, input, shard, op = options.op,
-              timeout = options.timeout](uint32_t tag) {
-    const at::Tensor reduced = input.clone();
-    allreduce_tensor(context, reduced, op, tag, timeout);
-    output.view(-1).copy_(reduced.view(-1).narrow(0, shard.begin, shard.size()));
-  };
+  // Gloo has no reduce-scatter for uneven chunks: Loom's ring (reduce_scatter_ring above).
+  body.run = [context = context_, output, input, op = options.op, timeout = options.timeout](
+                 uint32_t tag) { reduce_scatter_tensor(context, input, output, op, tag, timeout); };
   return enqueue("reduce_scatter", input, {}, options.timeout, std::move(body));
 }
 

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <filesystem>
 #include <string>
 #include <thread>
@@ -78,6 +80,59 @@ TEST(GlooGroup, LargeUnevenSumUsesManySegments) {
     at::Tensor shard_out = at::empty({shard.size()}, at::kFloat);
     group->reduce_scatter(shard_out, inputs[r.rank], {.timeout = kOpTimeout})->wait();
     EXPECT_TRUE(shard_out.equal(expected.narrow(0, shard.begin, shard.size())));
+  }));
+}
+
+// The ring reduce-scatter on random floats, against an fp64 sum of the ranks' inputs: the
+// ring adds the W inputs of a chunk in ring order, so each element is a float sum of W terms,
+// within W float roundings of the exact sum: |error| <= W * 2^-24 * sum |x_r| per element.
+// Uneven sizes (n not a multiple of W, n < W: empty chunks) and W = 2..4.
+TEST(GlooGroup, RingReduceScatterOfRandomFloatsIsWithinRoundingOfTheExactSum) {
+  for (int world : {2, 3, 4}) {
+    expect_all_ok(run_threads(world, [](Rank& r) {
+      auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+      for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{1001}, int64_t{262147}}) {
+        std::vector<at::Tensor> inputs;
+        for (int q = 0; q < r.world; ++q) {
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * n + q);
+          inputs.push_back(at::randn({n}, gen));
+        }
+        at::Tensor exact = at::zeros({n}, at::kDouble);
+        at::Tensor magnitude = at::zeros({n}, at::kDouble);
+        for (const at::Tensor& x : inputs) {
+          exact += x.to(at::kDouble);
+          magnitude += x.to(at::kDouble).abs();
+        }
+        const ShardRange shard = shard_range(n, r.world, r.rank);
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          at::Tensor out = at::empty({shard.size()}, at::kFloat);
+          group->reduce_scatter(out, inputs[r.rank], {.op = op, .timeout = kOpTimeout})->wait();
+          const double divisor = op == ReduceOp::kAvg ? r.world : 1.0;
+          const at::Tensor want = exact.narrow(0, shard.begin, shard.size()) / divisor;
+          const at::Tensor bound =
+              magnitude.narrow(0, shard.begin, shard.size()) / divisor * (r.world + 1) * 0x1p-24;
+          EXPECT_TRUE((out.to(at::kDouble) - want).abs().le(bound).all().item<bool>())
+              << "n=" << n << " W=" << r.world << " op=" << to_string(op);
+        }
+      }
+    }));
+  }
+}
+
+// bf16 reduce-scatter accumulates in fp32 and rounds once: 1 + 3 * 2^-8 summed in bf16 one
+// term at a time stays 1 (each 1 + 2^-8 rounds back to 1), in fp32 it is exact and rounds to
+// 1 + 2^-6 (a tie between 1 + 2^-7 and 1 + 2^-6, to even).
+TEST(GlooGroup, Bf16ReduceScatterAccumulatesInFp32) {
+  expect_all_ok(run_threads(4, [](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+    const double value = r.rank == 0 ? 1.0 : 0x1p-8;
+    const at::Tensor input = at::full({8}, value, at::kBFloat16);
+    at::Tensor out = at::empty({2}, at::kBFloat16);
+    group->reduce_scatter(out, input, {.timeout = kOpTimeout})->wait();
+    EXPECT_TRUE(out.equal(at::full({2}, 1.0 + 0x1p-6, at::kBFloat16))) << out;
+    at::Tensor sequential = at::full({1}, 1.0, at::kBFloat16);
+    for (int q = 1; q < 4; ++q) sequential += at::full({1}, 0x1p-8, at::kBFloat16);
+    EXPECT_EQ(sequential.item<float>(), 1.0f);  // what bf16 accumulation would have given
   }));
 }
 
