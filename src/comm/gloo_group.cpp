@@ -529,6 +529,9 @@ void GlooGroup::run_op(Op& op) {
       transfer_ready_.notify_one();
     } else {
       op.run(op.tag);  // the same on every rank that is in step
+      // The op's tensors are released before the Work completes: a caller that drops its
+      // references once the Work is done then frees the memory at once (ZeRO-2's staging).
+      op.run = nullptr;
       finish(op, nullptr);
     }
   } catch (const Timeout& e) {

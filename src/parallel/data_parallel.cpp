@@ -19,6 +19,7 @@
 
 #include "loom/ckpt/state.h"
 #include "loom/error.h"
+#include "loom/metrics/allocations.h"
 #include "parallel/sum_of_squares.h"
 
 namespace loom::parallel {
@@ -69,6 +70,8 @@ DataParallelOptions DataParallelOptions::from(const Config& config) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using metrics::MemoryCategory;
+using metrics::MemoryCategoryScope;
 using std::chrono::milliseconds;
 
 struct Param {
@@ -306,7 +309,11 @@ struct DataParallel::Impl {
   void move_into_buckets() {
     torch::NoGradGuard no_grad;
     for (Bucket& bucket : buckets) {
-      bucket.data = at::zeros({bucket.padded}, on_device(bucket.dtype));
+      {
+        MemoryCategoryScope parameters(MemoryCategory::kParameters);
+        bucket.data = at::zeros({bucket.padded}, on_device(bucket.dtype));
+      }
+      MemoryCategoryScope gradients(MemoryCategory::kGradients);
       if (sharded_gradients()) {
         bucket.grad_shard = at::zeros({bucket.shard_size()}, on_device(bucket.dtype));
         count_gradient_bytes(bucket.grad_shard, +1);
@@ -340,6 +347,7 @@ struct DataParallel::Impl {
   }
 
   void init_masters() {
+    MemoryCategoryScope state(MemoryCategory::kOptimizerState);
     for (Bucket& bucket : buckets) {
       if (bucket.dtype != at::kFloat && options.master_weights) {
         bucket.master =
@@ -405,6 +413,7 @@ struct DataParallel::Impl {
     Bucket& bucket = buckets[p.bucket];
     if (!bucket.grad.defined()) {  // zeros: padding, and parameters that got no gradient
       limit_staging();
+      MemoryCategoryScope gradients(MemoryCategory::kGradients);
       bucket.grad = at::zeros({bucket.padded}, on_device(bucket.dtype));
       count_gradient_bytes(bucket.grad, +1);
     }
@@ -642,6 +651,7 @@ struct DataParallel::Impl {
   }
 
   void allocate_state() {
+    MemoryCategoryScope state(MemoryCategory::kOptimizerState);
     for (Bucket& bucket : buckets) {
       bucket.state.clear();
       for (size_t i = 0; i < optimizer->state_names().size(); ++i) {

@@ -20,6 +20,7 @@
 #include "loom/comm/flight_recorder.h"
 #include "loom/comm/gloo.h"
 #include "loom/error.h"
+#include "loom/metrics/allocations.h"
 #include "unit/parallel/equivalence.h"
 
 namespace loom::parallel {
@@ -247,6 +248,8 @@ TEST(DataParallel, NoSyncAccumulatesWithoutCommunication) {
   }));
 }
 
+constexpr metrics::MemoryCategory kGradientBytes = metrics::MemoryCategory::kGradients;
+
 // 48 equal layers: with 8 KiB buckets, one bucket of about 9 KiB per layer.
 struct LayerStack : torch::nn::Module {
   LayerStack() {
@@ -266,9 +269,13 @@ struct LayerStack : torch::nn::Module {
 // 0.29 of DDP's. And the parameters' .grad() are released after the sync.
 TEST(DataParallel, ZeroTwoHoldsAQuarterOfTheGradientsAtFourRanks) {
   torch::set_num_threads(1);
-  std::map<ZeroStage, int64_t> peak;  // rank 0's peak gradient bytes in the last step
+  metrics::count_cpu_allocations();
+  std::map<ZeroStage, int64_t> peak;       // rank 0's peak gradient bytes in the last step
+  std::map<ZeroStage, int64_t> allocated;  // the allocator's peak of gradient bytes, 4 ranks
   std::mutex mutex;
   for (ZeroStage stage : {ZeroStage::kNone, ZeroStage::kTwo}) {
+    const int64_t live_before = metrics::cpu_allocations().of(kGradientBytes).live_bytes;
+    metrics::reset_cpu_allocation_peaks();
     expect_all_ok(run_threads(4, [&](Rank& r) {
       auto group = make_group(r);
       auto model = std::make_shared<LayerStack>();
@@ -291,6 +298,7 @@ TEST(DataParallel, ZeroTwoHoldsAQuarterOfTheGradientsAtFourRanks) {
         peak[stage] = dp.last_sync_stats().peak_gradient_bytes;
       }
     }));
+    allocated[stage] = metrics::cpu_allocations().of(kGradientBytes).peak_bytes - live_before;
   }
   const double share = static_cast<double>(peak[ZeroStage::kTwo]) / peak[ZeroStage::kNone];
   std::cout << "peak gradient bytes per rank at W=4: DDP " << peak[ZeroStage::kNone] << ", ZeRO-2 "
@@ -298,6 +306,16 @@ TEST(DataParallel, ZeroTwoHoldsAQuarterOfTheGradientsAtFourRanks) {
   EXPECT_EQ(peak[ZeroStage::kNone], 48 * 2352 * 4);  // 48 buckets of 2352 floats, none padded
   EXPECT_GE(share, 0.25);
   EXPECT_LE(share, 0.25 + 2.0 / 48 + 1e-9);
+  // The same from the allocator: every gradient buffer DataParallel allocated, on all 4 ranks
+  // (their peaks need not coincide, so the sum's peak is at most the ranks' peaks added).
+  const double allocated_share =
+      static_cast<double>(allocated[ZeroStage::kTwo]) / allocated[ZeroStage::kNone];
+  std::cout << "allocator-measured peak gradient bytes, 4 ranks together: DDP "
+            << allocated[ZeroStage::kNone] << ", ZeRO-2 " << allocated[ZeroStage::kTwo] << " ("
+            << allocated_share << ")\n";
+  EXPECT_EQ(allocated[ZeroStage::kNone], 4 * peak[ZeroStage::kNone]);
+  EXPECT_LE(allocated[ZeroStage::kTwo], 4 * (peak[ZeroStage::kTwo] + 2 * 2352 * 4));
+  EXPECT_LE(allocated_share, 0.3);
 }
 
 // A ZeRO-1 AdamW run at W = 1 saves its state; ranks at W = 2 and 3 load the re-sliced state
