@@ -129,8 +129,8 @@ TEST(DataParallel, RankSkippingBackwardTimesOutNamingTheBucket) {
     auto group = make_group(r);
     auto model = make_model();
     DataParallel dp(model, *group, {.bucket_bytes = 300, .timeout = milliseconds(500)});
-    if (r.rank == 1) {  // skips backward; stays alive past the peer's deadline
-      std::this_thread::sleep_for(milliseconds(2000));
+    if (r.rank == 1) {  // skips backward; stays alive until the peer has seen its deadline
+      r.store.get("rank0_done", std::chrono::seconds(30));
       return;
     }
     const auto start = std::chrono::steady_clock::now();
@@ -140,6 +140,53 @@ TEST(DataParallel, RankSkippingBackwardTimesOutNamingTheBucket) {
     EXPECT_NE(message.find("bucket 0 of"), std::string::npos) << message;
     EXPECT_NE(message.find("fc3.bias"), std::string::npos) << message;
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+    r.store.set("rank0_done", "1");
+  }));
+}
+
+// With overlap, buckets are reduced while backward still runs: by the time the first layer's
+// gradient (the last to be computed) arrives, the later layers' buckets are already issued.
+// Without overlap nothing is issued before finish_gradient_sync, and the result is the same.
+TEST(DataParallel, OverlapIssuesBucketsBeforeTheLastGradientAndOffIssuesNone) {
+  torch::set_num_threads(1);
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    std::map<bool, std::map<std::string, at::Tensor>> trained;
+    for (bool overlap : {true, false}) {
+      auto group = make_group(r);
+      auto model = make_model();
+      DataParallel dp(
+          model, *group,
+          {.bucket_bytes = 300, .timeout = std::chrono::seconds(20), .overlap = overlap});
+      ASSERT_GE(dp.bucket_count(), 3);
+      dp.set_optimizer(std::make_unique<optim::Sgd>());
+      const size_t before = group->flight_recorder().snapshot().size();
+      size_t issued_before_last_gradient = 0;
+      auto hook = model->fc1->weight.register_hook([&](const at::Tensor& g) {
+        issued_before_last_gradient = group->flight_recorder().snapshot().size() - before;
+        return g;
+      });
+      loss_of(*model, at::full({4, 8}, 0.1 * (r.rank + 1)), at::zeros({4, 4}), at::kFloat)
+          .backward();
+      dp.finish_gradient_sync();
+      dp.step();
+      const SyncStats& stats = dp.last_sync_stats();
+      EXPECT_EQ(stats.buckets, dp.bucket_count());
+      if (overlap) {
+        // fc1.weight's bucket is the last one; every bucket before it is already issued.
+        EXPECT_EQ(static_cast<int>(issued_before_last_gradient), dp.bucket_count() - 1);
+        EXPECT_EQ(stats.buckets_launched_during_backward, dp.bucket_count());
+      } else {
+        EXPECT_EQ(issued_before_last_gradient, 0u);
+        EXPECT_EQ(stats.buckets_launched_during_backward, 0);
+      }
+      for (const auto& item : model->named_parameters()) {
+        trained[overlap][item.key()] = item.value().detach().clone();
+      }
+      model->fc1->weight.remove_hook(hook);
+    }
+    for (const auto& [name, value] : trained[true]) {
+      EXPECT_TRUE(value.equal(trained[false].at(name))) << name;
+    }
   }));
 }
 
