@@ -153,6 +153,11 @@ void train(loom::Runtime& rt) {
   const loom::train::FitResult result = trainer.fit();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // The result is the held-out loss of the trained model: evaluate at the end unless the last
+  // evaluation was at the last step (train.steps not a multiple of eval.every).
+  if (rt.is_main() && (curve.empty() || curve.back()["step"].get<int64_t>() != result.steps_done)) {
+    evaluate(result.steps_done);
+  }
   if (rt.is_main() && !curve.empty()) {
     rt.log().info("result: held-out loss {:.4f} after steps {}..{} in {:.1f} s on {} rank(s)",
                   curve.back()["val_loss"].get<double>(), result.start_step, result.steps_done,
