@@ -23,6 +23,7 @@
 #include "loom/error.h"
 #include "loom/version.h"
 #include "util/files.h"
+#include "util/mix.h"
 
 namespace loom {
 namespace {
@@ -73,13 +74,8 @@ c10::Device choose_device(const std::string& wanted, int local_rank) {
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
 }
 
-// SplitMix64: a well-mixed per-rank seed from the base seed.
-uint64_t mix_seed(uint64_t seed, uint64_t rank) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (rank + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+// A well-mixed per-rank seed from the base seed.
+uint64_t mix_seed(uint64_t seed, uint64_t rank) { return util::splitmix64(seed, rank); }
 
 }  // namespace
 

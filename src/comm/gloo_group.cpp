@@ -31,6 +31,7 @@
 #include "comm/work.h"
 #include "loom/comm/flight_recorder.h"
 #include "loom/error.h"
+#include "util/mix.h"
 
 namespace loom::comm {
 namespace {
@@ -106,12 +107,10 @@ class StoreAdapter final : public gloo::rendezvous::Store {
 uint32_t collective_tag(uint64_t sequence, const std::string& signature) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the signature, then SplitMix64
   for (unsigned char c : signature) h = (h ^ c) * 1099511628211ull;
-  uint64_t z = h + 0x9E3779B97F4A7C15ull * (sequence + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  const uint64_t z = util::splitmix64(h, sequence);
   // Gloo builds a collective's slot as (its own prefix << 56) | tag, so any 32-bit tag stays
   // clear of the send/recv slots (kSendRecvSlotBase).
-  return static_cast<uint32_t>(z ^ (z >> 31));
+  return static_cast<uint32_t>(z);
 }
 
 // --- typed gloo calls ------------------------------------------------------------------------

@@ -3,19 +3,14 @@
 #include "data/permutation.h"
 
 #include "loom/error.h"
+#include "util/mix.h"
 
 namespace loom::data {
 namespace {
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;     // 2^64 / golden ratio (SplitMix64)
+using util::kGolden;
+using util::mix64;
 constexpr uint64_t kDomainTag = 0x6C6F6F6D2D646174ull;  // "loom-dat": keeps keys Loom's own
-
-// The SplitMix64 finalizer: a bijective 64-bit mix with full avalanche.
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 // Bits needed to hold n - 1, i.e. the smallest b with 2^b >= n (0 for n == 1).
 int bit_width_of_max(uint64_t n) {

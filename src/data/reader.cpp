@@ -431,4 +431,8 @@ Batch Reader::read(const std::vector<uint64_t>& indices) const {
   return impl_->source.read(indices);
 }
 
+int64_t Reader::batch_size() const { return impl_->options.batch_size; }
+std::string Reader::state_json() const { return state().to_json(); }
+void Reader::restore_json(const std::string& json) { restore(SamplerState::from_json(json)); }
+
 }  // namespace loom::data

@@ -42,6 +42,12 @@ class CountingAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     return counts_;
   }
+  std::optional<MemoryCategory> category_of(const void* data) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = live_.find(const_cast<void*>(data));
+    if (it == live_.end()) return std::nullopt;
+    return it->second.category;
+  }
   void reset_peaks() {
     std::lock_guard<std::mutex> lock(mutex_);
     counts_.total.peak_bytes = counts_.total.live_bytes;
@@ -131,6 +137,12 @@ CpuAllocations cpu_allocations() {
 void reset_cpu_allocation_peaks() {
   std::lock_guard<std::mutex> lock(install_mutex);
   if (CountingAllocator::instance) CountingAllocator::instance->reset_peaks();
+}
+
+std::optional<MemoryCategory> category_of_allocation(const void* data) {
+  std::lock_guard<std::mutex> lock(install_mutex);
+  if (!CountingAllocator::instance) return std::nullopt;
+  return CountingAllocator::instance->category_of(data);
 }
 
 MemoryCategoryScope::MemoryCategoryScope(MemoryCategory category) : previous_(current_category) {

@@ -138,7 +138,7 @@ struct Trainer::Impl {
   // Constant after construction.
   Runtime& rt;
   parallel::DataParallel& dp;
-  data::Reader& reader;
+  data::BatchSource& reader;
   TrainOptions options;
   LossFn loss_fn;
   Callbacks callbacks;
@@ -155,7 +155,7 @@ struct Trainer::Impl {
   double loss_scale = 1;         // LossScaling: the current scale (1 without)
   int64_t scale_good_steps = 0;  // steps since the last overflow or growth
 
-  Impl(Runtime& r, parallel::DataParallel& d, data::Reader& rd, TrainOptions o, LossFn l,
+  Impl(Runtime& r, parallel::DataParallel& d, data::BatchSource& rd, TrainOptions o, LossFn l,
        Callbacks c)
       : rt(r),
         dp(d),
@@ -165,10 +165,9 @@ struct Trainer::Impl {
         callbacks(std::move(c)) {
     LOOM_CHECK(options.steps >= 0, InvalidArgument, "train.steps must be >= 0, got ",
                options.steps);
-    LOOM_CHECK(
-        options.micro_batches >= 1 && reader.options().batch_size % options.micro_batches == 0,
-        InvalidArgument, "train.micro_batches (", options.micro_batches,
-        ") must divide the per-rank batch size (", reader.options().batch_size, ")");
+    LOOM_CHECK(options.micro_batches >= 1 && reader.batch_size() % options.micro_batches == 0,
+               InvalidArgument, "train.micro_batches (", options.micro_batches,
+               ") must divide the per-rank batch size (", reader.batch_size(), ")");
     LOOM_CHECK(loss_fn != nullptr, InvalidArgument, "the Trainer needs a loss function");
     const LossScaling& ls = options.loss_scaling;
     LOOM_CHECK(!ls.enabled || (ls.init_scale > 0 && ls.growth >= 1 && ls.backoff > 0 &&
@@ -217,7 +216,7 @@ struct Trainer::Impl {
     trainer["loss_scale"] = loss_scale;
     trainer["loss_scale_good_steps"] = scale_good_steps;
     state.blobs["trainer"] = trainer.dump();
-    state.blobs["reader"] = reader.state().to_json();
+    state.blobs["reader"] = reader.state_json();
     state.blobs["config"] = json(rt.config().to_toml()).dump();
     return state;
   }
@@ -249,7 +248,7 @@ struct Trainer::Impl {
       loss_scale = trainer.at("loss_scale").get<double>();
       scale_good_steps = trainer.at("loss_scale_good_steps").get<int64_t>();
     }
-    reader.restore(data::SamplerState::from_json(state.blobs.at("reader")));
+    reader.restore_json(state.blobs.at("reader"));
     if (same_world) {
       at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle to the global one
       std::lock_guard<std::mutex> lock(generator.mutex());
@@ -461,7 +460,7 @@ struct Trainer::Impl {
   }
 };
 
-Trainer::Trainer(Runtime& rt, parallel::DataParallel& dp, data::Reader& reader,
+Trainer::Trainer(Runtime& rt, parallel::DataParallel& dp, data::BatchSource& reader,
                  TrainOptions options, LossFn loss, Callbacks callbacks)
     : impl_(std::make_unique<Impl>(rt, dp, reader, std::move(options), std::move(loss),
                                    std::move(callbacks))) {}

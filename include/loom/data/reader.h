@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/data/batch.h"
 #include "loom/data/dataset.h"
 #include "loom/data/registry.h"
 #include "loom/data/sampler.h"
@@ -57,17 +58,6 @@ struct ReaderOptions {
   std::filesystem::path registry;
 };
 
-// One rank's samples for one step.
-struct Batch {
-  std::map<std::string, at::Tensor> tensors;                // see the file comment
-  std::map<std::string, std::vector<std::string>> strings;  // text and bytes fields
-  std::vector<uint64_t> indices;                            // the dataset sample index of each row
-  int64_t num_real = 0;  // rows [0, num_real) are real; the rest are padding
-  uint64_t epoch = 0;    // the epoch these samples belong to
-  // The tensor named `name`; InvalidArgument naming the batch's tensors when absent.
-  const at::Tensor& operator[](const std::string& name) const;
-};
-
 // Opens a dataset and yields this rank's batches. Every rank opens the same dataset with the
 // same options except rank, and calls next() once per step.
 //
@@ -79,16 +69,16 @@ struct Batch {
 // registry's error (resolve_dataset). A record that fails its checksum, or a token chunk that
 // fails its hash, is CorruptData from the next() that would return it, naming the shard and
 // the record or chunk; that batch is not consumed.
-class Reader {
+class Reader final : public BatchSource {
  public:
   // `dataset`: a directory, or a registry name resolved through options.registry.
   Reader(const std::filesystem::path& dataset, ReaderOptions options);
-  ~Reader();
+  ~Reader() override;
   Reader(const Reader&) = delete;
   Reader& operator=(const Reader&) = delete;
 
   // The next batch; advances the state by one global batch.
-  Batch next();
+  Batch next() override;
 
   // The position after the last batch next() returned (prefetched batches not included).
   // Save it with the checkpoint; it is the same on every rank.
@@ -98,6 +88,11 @@ class Reader {
   // naming both versions unless options.allow_version_change; a state of the dataset's
   // previous_version (before a migration) is of this data. O(1): nothing is replayed.
   void restore(const SamplerState& state, RestoreOptions options = {});
+
+  // BatchSource: options().batch_size, and the state as SamplerState's JSON.
+  int64_t batch_size() const override;
+  std::string state_json() const override;
+  void restore_json(const std::string& json) override;
 
   const Manifest& manifest() const;
   // The directory read, and the registry version it was resolved from ("" for a path).

@@ -24,6 +24,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 
 namespace loom::metrics {
 
@@ -57,6 +58,9 @@ bool counting_cpu_allocations();
 CpuAllocations cpu_allocations();
 // Every peak (total and per category) := its live bytes now.
 void reset_cpu_allocation_peaks();
+// The category a live counted allocation was charged to, by the start of its block (a
+// tensor's storage().data()); empty for memory the counter did not allocate.
+std::optional<MemoryCategory> category_of_allocation(const void* data);
 
 // RAII: allocations this thread makes during the scope's lifetime count under `category`;
 // scopes nest (the innermost wins) and restore the outer category when they end. Cheap (one

@@ -28,7 +28,7 @@
 namespace loom {
 class Runtime;
 namespace data {
-class Reader;
+class BatchSource;
 struct Batch;
 }  // namespace data
 namespace parallel {
@@ -131,12 +131,13 @@ struct FitResult {
 };
 
 // Not copyable. Every rank builds one with the same options and calls fit(). The Runtime,
-// DataParallel and Reader must outlive it. fit() uses rt.store() (checkpoint agreement) and
-// rt.control_group() (the per-step loss and stop flag, CPU tensors); it sends nothing to
-// rt.world_group() itself: only the DataParallel's buckets and gathers travel there.
+// DataParallel and the batch source (a data::Reader or data::Mixture) must outlive it. fit() uses
+// rt.store() (checkpoint agreement) and rt.control_group() (the per-step loss and stop flag, CPU
+// tensors); it sends nothing to rt.world_group() itself: only the DataParallel's buckets and
+// gathers travel there.
 class Trainer {
  public:
-  Trainer(Runtime& rt, parallel::DataParallel& dp, data::Reader& reader, TrainOptions options,
+  Trainer(Runtime& rt, parallel::DataParallel& dp, data::BatchSource& reader, TrainOptions options,
           LossFn loss, Callbacks callbacks = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
