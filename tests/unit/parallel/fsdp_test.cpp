@@ -1,0 +1,588 @@
+// FullyShardedDataParallel with ranks as threads: training against single-process torch::optim
+// for W = 1..4 (bitwise at W = 1), prefetch, memory against DataParallel, checkpoints across
+// world sizes and into DataParallel, and bad input (overlapping units, mismatched models).
+
+#include "loom/parallel/fsdp.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <mutex>
+
+#include "harness/harness.h"
+#include "loom/ckpt/checkpointer.h"
+#include "loom/ckpt/state.h"
+#include "loom/comm/gloo.h"
+#include "loom/error.h"
+#include "loom/parallel/data_parallel.h"
+#include "unit/parallel/equivalence.h"
+
+namespace loom::parallel {
+namespace {
+
+using loom::testing::expect_all_ok;
+using loom::testing::Rank;
+using loom::testing::run_threads;
+using loom::testing::parallel::adamw_options;
+using loom::testing::parallel::global_batch;
+using loom::testing::parallel::make_flat_optimizer;
+using loom::testing::parallel::relative_error;
+using loom::testing::parallel::rows_of;
+using loom::testing::parallel::Scenario;
+using loom::testing::parallel::sgd_options;
+using Parameters = std::map<std::string, at::Tensor>;
+
+std::unique_ptr<comm::Group> make_group(Rank& r) {
+  comm::GlooOptions options;
+  options.connect_timeout = std::chrono::seconds(20);
+  return comm::new_gloo_group(r.store, r.rank, r.world, options);
+}
+
+// A block with the common signature; the test model is a Sequential of them plus a head that
+// is in no unit (the root unit).
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t in, int64_t out) : fc(register_module("fc", torch::nn::Linear(in, out))) {}
+  at::Tensor forward(const at::Tensor& x) { return torch::tanh(fc(x)); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Block);
+
+struct Shape {
+  int blocks = 3;
+  int64_t hidden = 16;
+};
+
+struct BlockMlp : torch::nn::Module {
+  explicit BlockMlp(const Shape& shape) {
+    blocks = register_module("blocks", torch::nn::Sequential());
+    for (int b = 0; b < shape.blocks; ++b)
+      blocks->push_back(Block(b == 0 ? 8 : shape.hidden, shape.hidden));
+    head = register_module("head", torch::nn::Linear(shape.hidden, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(blocks->forward(x)); }
+  torch::nn::Sequential blocks{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+// Deterministic parameters by name, the same for the wrapped and the unwrapped model.
+std::shared_ptr<BlockMlp> make_model(const Shape& shape, at::ScalarType dtype, bool wrap) {
+  auto model = std::make_shared<BlockMlp>(shape);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+  torch::NoGradGuard no_grad;
+  for (auto& item : model->named_parameters()) {
+    at::Tensor& p = item.value();
+    p.copy_(at::randn(p.sizes(), gen) * 0.3 * std::sqrt(8.0 / static_cast<double>(p.size(-1))));
+  }
+  model->to(dtype);
+  if (wrap) {
+    EXPECT_EQ(wrap_modules<BlockImpl>(model->blocks), shape.blocks);
+  }
+  return model;
+}
+
+at::Tensor loss_of(BlockMlp& model, const at::Tensor& x, const at::Tensor& y,
+                   at::ScalarType dtype) {
+  return (model.forward(x.to(dtype)) - y.to(dtype)).square().mean();
+}
+
+// equivalence.h's reference_training on the block model: torch::optim on the concatenated
+// batch; bf16 as the ranks compute it (per-rank bf16 gradients averaged in fp32, rounded once).
+Parameters reference_training(int world, const Scenario& s, const Shape& shape) {
+  const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
+  auto model = make_model(shape, dtype, /*wrap=*/false);
+  std::vector<at::Tensor> params = model->parameters();
+  std::vector<at::Tensor> masters;
+  for (const at::Tensor& p : params)
+    masters.push_back(p.detach().to(at::kFloat).requires_grad_(true));
+  std::vector<at::Tensor>& stepped = s.bf16 ? masters : params;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (s.adamw) {
+    const auto o = adamw_options();
+    opt = std::make_unique<torch::optim::AdamW>(
+        stepped, torch::optim::AdamWOptions(o.lr).eps(o.eps).weight_decay(o.weight_decay));
+  } else {
+    const auto o = sgd_options();
+    opt = std::make_unique<torch::optim::SGD>(
+        stepped, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+  }
+  for (int step = 0; step < s.steps; ++step) {
+    const auto [x, y] = global_batch(step, world, s);
+    if (!s.bf16) {
+      for (at::Tensor& p : params) p.mutable_grad() = at::Tensor();
+      loss_of(*model, x, y, dtype).backward();
+      if (s.clip > 0) torch::nn::utils::clip_grad_norm_(params, s.clip);
+      opt->step();
+      continue;
+    }
+    std::vector<at::Tensor> sums;
+    for (const at::Tensor& p : params) sums.push_back(at::zeros_like(p, at::kFloat));
+    for (int r = 0; r < world; ++r) {
+      for (at::Tensor& p : params) p.mutable_grad() = at::zeros_like(p);
+      for (int m = 0; m < s.micro_steps; ++m) {
+        (loss_of(*model, rows_of(x, r, m, s), rows_of(y, r, m, s), dtype) / s.micro_steps)
+            .backward();
+      }
+      for (size_t i = 0; i < params.size(); ++i) sums[i] += params[i].grad().to(at::kFloat);
+    }
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      masters[i].mutable_grad() = (sums[i] / world).to(at::kBFloat16).to(at::kFloat);
+    }
+    opt->step();
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
+  }
+  Parameters out;
+  for (const auto& item : model->named_parameters())
+    out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+// This rank's part of training the scenario with FSDP (no_sync for all but the last
+// micro-step); returns the gathered parameters.
+void train(FullyShardedDataParallel& fsdp, BlockMlp& model, int rank, int world,
+           const Scenario& s) {
+  const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
+  for (int step = 0; step < s.steps; ++step) {
+    const auto [x, y] = global_batch(step, world, s);
+    fsdp.zero_grad();
+    for (int m = 0; m < s.micro_steps; ++m) {
+      fsdp.set_sync(m + 1 == s.micro_steps);
+      (loss_of(model, rows_of(x, rank, m, s), rows_of(y, rank, m, s), dtype) / s.micro_steps)
+          .backward();
+    }
+    fsdp.finish_gradient_sync();
+    if (s.clip > 0) fsdp.clip_grad_norm(s.clip);
+    fsdp.step();
+  }
+}
+
+Parameters train_fsdp(comm::Group& group, const Scenario& s, const Shape& shape,
+                      const FsdpOptions& options) {
+  auto model = make_model(shape, s.bf16 ? at::kBFloat16 : at::kFloat, /*wrap=*/true);
+  if (group.rank() != 0) {  // the broadcast at construction must overwrite these
+    torch::NoGradGuard no_grad;
+    for (at::Tensor& p : model->parameters()) p.add_(1.0);
+  }
+  FullyShardedDataParallel fsdp(model, group, options);
+  EXPECT_EQ(fsdp.unit_count(), shape.blocks + 1);
+  fsdp.set_optimizer(make_flat_optimizer(s));
+  train(fsdp, *model, group.rank(), group.size(), s);
+  EXPECT_EQ(fsdp.step_count(), s.steps);
+  EXPECT_EQ(model->blocks[0]->as<FsdpUnitImpl>()->named_parameters()["fc.weight"].numel(), 0)
+      << "a unit's parameters are freed outside its forward and backward";
+  return fsdp.gather_full_parameters();
+}
+
+void expect_match(const Parameters& actual, const Parameters& expected, double tolerance,
+                  const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (const auto& [name, reference] : expected) {
+    const at::Tensor& got = actual.at(name);
+    if (tolerance == 0) {
+      EXPECT_TRUE(got.equal(reference)) << what << ": " << name << " differs (bitwise expected), "
+                                        << "relative error " << relative_error(got, reference);
+    } else {
+      EXPECT_LE(relative_error(got, reference), tolerance) << what << ": " << name;
+    }
+  }
+}
+
+struct Case {
+  Scenario scenario;
+  FsdpOptions options;
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  out.push_back({{.name = "adamw"}, {}});
+  out.push_back(
+      {{.name = "sgd-accumulate-clip", .adamw = false, .micro_steps = 2, .clip = 0.05}, {}});
+  out.push_back({{.name = "adamw-clip", .clip = 0.05}, {}});
+  out.push_back({{.name = "adamw-bf16-accumulate", .micro_steps = 2, .bf16 = true}, {}});
+  out.push_back({{.name = "adamw-keep-gathered-no-prefetch"},
+                 {.reshard_after_forward = false, .prefetch = false}});
+  return out;
+}
+
+class FsdpWorld : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override { torch::set_num_threads(1); }  // process-wide: ranks are threads
+};
+
+TEST_P(FsdpWorld, TrainsLikeSingleProcessTorchOptim) {
+  const int world = GetParam();
+  const Shape shape;
+  expect_all_ok(run_threads(world, [&](Rank& r) {
+    auto group = make_group(r);
+    for (Case c : cases()) {
+      c.options.timeout = std::chrono::seconds(60);
+      const Scenario& s = c.scenario;
+      const Parameters expected = reference_training(world, s, shape);
+      const Parameters actual = train_fsdp(*group, s, shape, c.options);
+      const Parameters init = [&] {
+        Parameters p;
+        for (const auto& item : make_model(shape, at::kFloat, false)->named_parameters())
+          p[item.key()] = item.value().detach().clone();
+        return p;
+      }();
+      EXPECT_GT(relative_error(actual.at("blocks.1.fc.weight").to(at::kFloat),
+                               init.at("blocks.1.fc.weight")),
+                1e-3)
+          << s.name << ": training moved the parameters";
+      // Bitwise where DataParallel is: W = 1 without accumulation or clipping.
+      const bool bitwise = world == 1 && s.micro_steps == 1 && s.clip == 0;
+      expect_match(actual, expected, bitwise ? 0.0 : 1e-6,
+                   "fsdp/" + s.name + " at W=" + std::to_string(world));
+    }
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, FsdpWorld, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return "W" + std::to_string(info.param);
+                         });
+
+// DataParallel on the unwrapped model, for comparison.
+Parameters train_data_parallel(comm::Group& group, const Scenario& s, const Shape& shape,
+                               ZeroStage stage) {
+  auto model = make_model(shape, at::kFloat, /*wrap=*/false);
+  DataParallel dp(model, group, {.zero_stage = stage});
+  dp.set_optimizer(make_flat_optimizer(s));
+  for (int step = 0; step < s.steps; ++step) {
+    const auto [x, y] = global_batch(step, group.size(), s);
+    dp.zero_grad();
+    loss_of(*model, rows_of(x, group.rank(), 0, s), rows_of(y, group.rank(), 0, s), at::kFloat)
+        .backward();
+    dp.finish_gradient_sync();
+    dp.step();
+  }
+  Parameters out;
+  for (const auto& item : model->named_parameters())
+    out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+// Units of 400 x 400 + 400 elements: each shard holds 160K (W = 1) or 80K (W = 2) elements,
+// more than one 64K-element optimizer chunk. At W = 2 AdamW is compared with DataParallel
+// ZeRO-2, which sums in the same order (bitwise), and SGD with torch (1e-6): against the
+// one-backward reference AdamW turns the summation-order rounding of near-zero gradient
+// elements of these large matrices into ~1e-5 (its update does not scale with the gradient).
+TEST(Fsdp, ShardsLargerThanOneOptimizerChunkTrainLikeTorch) {
+  torch::set_num_threads(1);
+  const Shape shape{.blocks = 2, .hidden = 400};
+  const Scenario adamw{.name = "large-adamw", .steps = 2};
+  const Scenario sgd{.name = "large-sgd", .adamw = false, .steps = 2};
+  for (const Scenario& s : {adamw, sgd}) {
+    const Parameters expected = reference_training(1, s, shape);
+    expect_all_ok(run_threads(1, [&](Rank& r) {
+      auto group = make_group(r);
+      expect_match(train_fsdp(*group, s, shape, {}), expected, 0.0, s.name + " at W=1");
+    }));
+  }
+  const Parameters expected = reference_training(2, sgd, shape);
+  expect_all_ok(run_threads(2, [&](Rank& r) {
+    auto group = make_group(r);
+    expect_match(train_fsdp(*group, sgd, shape, {}), expected, 1e-6, "large-sgd at W=2");
+    const Parameters zero2 = train_data_parallel(*group, adamw, shape, ZeroStage::kTwo);
+    expect_match(train_fsdp(*group, adamw, shape, {}), zero2, 0.0,
+                 "large-adamw at W=2 against DataParallel ZeRO-2");
+  }));
+}
+
+TEST(Fsdp, PrefetchesTheNextUnitsGatherInForwardAndBackward) {
+  torch::set_num_threads(1);
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    for (bool prefetch : {true, false}) {
+      const Shape shape{.blocks = 4};
+      auto model = make_model(shape, at::kFloat, true);
+      FullyShardedDataParallel fsdp(model, *group, {.prefetch = prefetch});
+      const auto [x, y] = global_batch(0, 2, Scenario{});
+      loss_of(*model, x, y, at::kFloat).backward();
+      fsdp.finish_gradient_sync();
+      const FsdpStats& stats = fsdp.stats();
+      // Units 1..3 are gathered while the previous unit's forward runs; in backward units 2..0
+      // while the next one's backward runs.
+      EXPECT_EQ(stats.forward_prefetched, prefetch ? 3 : 0);
+      EXPECT_EQ(stats.backward_prefetched, prefetch ? 3 : 0);
+      EXPECT_EQ(stats.all_gathers, 8);      // each block once for forward, once for backward
+      EXPECT_EQ(stats.reduce_scatters, 5);  // the blocks and the root
+      EXPECT_GE(stats.reduce_scatters_in_backward, 4);
+    }
+  }));
+}
+
+TEST(Fsdp, KeepingParametersAfterForwardSkipsTheBackwardGather) {
+  torch::set_num_threads(1);
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model(Shape{}, at::kFloat, true);
+    FullyShardedDataParallel fsdp(model, *group, {.reshard_after_forward = false});
+    const auto [x, y] = global_batch(0, 2, Scenario{});
+    loss_of(*model, x, y, at::kFloat).backward();
+    fsdp.finish_gradient_sync();
+    EXPECT_EQ(fsdp.stats().all_gathers, 3);
+  }));
+}
+
+// Bytes of parameters, gradients and AdamW state per rank at W = 4 (peak over two training
+// steps) against DataParallel kNone (full parameters, gradients and state on every rank).
+TEST(Fsdp, HoldsUnderThirtyPercentOfDataParallelsBytesAtFourRanks) {
+  torch::set_num_threads(1);
+  const Shape shape{.blocks = 32, .hidden = 48};
+  std::mutex mutex;
+  int64_t fsdp_peak = 0, fsdp_steady = 0, ddp_bytes = 0;
+  expect_all_ok(run_threads(4, [&](Rank& r) {
+    auto group = make_group(r);
+    {
+      auto model = make_model(shape, at::kFloat, true);
+      FullyShardedDataParallel fsdp(model, *group);
+      fsdp.set_optimizer(std::make_unique<optim::AdamW>(adamw_options()));
+      fsdp.reset_peak_memory();  // construction holds the whole model once, to shard it
+      train(fsdp, *model, r.rank, 4, Scenario{.steps = 2});
+      std::lock_guard<std::mutex> lock(mutex);
+      if (r.rank == 0) {
+        fsdp_peak = fsdp.peak_memory().total();
+        fsdp_steady = fsdp.memory().total();
+        const FsdpMemory p = fsdp.peak_memory();
+        std::cout << "FSDP W=4 rank 0 peak: parameters " << p.parameter_bytes << ", gradients "
+                  << p.gradient_bytes << ", optimizer " << p.optimizer_bytes << " bytes\n";
+      }
+    }
+    auto plain = make_model(shape, at::kFloat, false);
+    DataParallel dp(plain, *group, {.zero_stage = ZeroStage::kNone});
+    dp.set_optimizer(std::make_unique<optim::AdamW>(adamw_options()));
+    int64_t numel = 0;
+    for (const at::Tensor& p : plain->parameters()) numel += p.numel();
+    std::lock_guard<std::mutex> lock(mutex);
+    if (r.rank == 0) ddp_bytes = 2 * numel * 4 + dp.optimizer_state_bytes();  // params + grads
+  }));
+  const double ratio = static_cast<double>(fsdp_peak) / static_cast<double>(ddp_bytes);
+  std::cout << "bytes per rank at W=4: DataParallel kNone " << ddp_bytes << ", FSDP peak "
+            << fsdp_peak << " (" << ratio << "x), FSDP between steps " << fsdp_steady << " ("
+            << static_cast<double>(fsdp_steady) / static_cast<double>(ddp_bytes) << "x)\n";
+  EXPECT_LE(ratio, 0.3);
+  EXPECT_GT(ratio, 0.2);  // 1/4 is the floor: not vacuous
+}
+
+// --- checkpoints ------------------------------------------------------------------------------
+
+// The global tensors a set of ranks' States describe, as a checkpointer reassembles them.
+void assemble(std::mutex& mutex, std::map<std::string, at::Tensor>& global,
+              const ckpt::State& state) {
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::NoGradGuard no_grad;
+  for (const ckpt::TensorEntry& entry : state.tensors) {
+    if (entry.sharding.kind == ckpt::Sharding::Kind::kFlat) {
+      auto [it, fresh] = global.emplace(
+          entry.name, at::zeros(entry.sharding.global_shape, entry.tensor.options()));
+      it->second.view(-1)
+          .narrow(0, entry.sharding.begin, entry.sharding.end - entry.sharding.begin)
+          .copy_(entry.tensor);
+    } else {
+      global[entry.name] = entry.tensor.detach().clone();
+    }
+  }
+}
+
+TEST(FsdpState, SavedAtFourLoadsAtThreeAsFsdpAndAtTwoAsDataParallel) {
+  torch::set_num_threads(1);
+  loom::testing::TempDir dir("loom-fsdp-ckpt");
+  const Shape shape;
+  for (bool bf16 : {false, true}) {
+    const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
+    const Scenario s{.name = "ckpt", .bf16 = bf16, .steps = 2};
+    const int64_t step = bf16 ? 2 : 1;
+    auto options = [&](int rank, int world) {
+      ckpt::CheckpointerOptions o;
+      o.dir = dir.path();
+      o.rank = rank;
+      o.world_size = world;
+      o.direct_io = false;
+      return o;
+    };
+    std::mutex mutex;
+    std::map<std::string, at::Tensor> saved, as_fsdp, as_ddp;
+    expect_all_ok(run_threads(4, [&](Rank& r) {
+      auto group = make_group(r);
+      auto model = make_model(shape, dtype, true);
+      FullyShardedDataParallel fsdp(model, *group);
+      fsdp.set_optimizer(make_flat_optimizer(s));
+      train(fsdp, *model, r.rank, 4, s);
+      ckpt::State state;
+      fsdp.add_state(state);
+      ckpt::Checkpointer(r.store, options(r.rank, 4)).save_sync(step, state);
+      assemble(mutex, saved, state);
+    }));
+    ASSERT_TRUE(saved.count("optim/blocks.0.fc.weight/exp_avg_sq"));
+    EXPECT_EQ(saved.count("optim/head.bias/master"), bf16 ? 1u : 0u);
+    expect_all_ok(run_threads(3, [&](Rank& r) {
+      auto group = make_group(r);
+      auto model = make_model(shape, dtype, true);
+      FullyShardedDataParallel fsdp(model, *group);
+      fsdp.set_optimizer(make_flat_optimizer(s));
+      ckpt::State state;
+      fsdp.add_state(state);
+      ckpt::Checkpointer(r.store, options(r.rank, 3)).load(step, state);
+      fsdp.load_state(state);
+      EXPECT_EQ(fsdp.step_count(), 2);
+      ckpt::State now;
+      fsdp.add_state(now);  // what is live after loading
+      assemble(mutex, as_fsdp, now);
+      // Training continues from the loaded state.
+      const auto [x, y] = global_batch(7, 3, s);
+      fsdp.zero_grad();
+      loss_of(*model, rows_of(x, r.rank, 0, s), rows_of(y, r.rank, 0, s), dtype).backward();
+      fsdp.finish_gradient_sync();
+      fsdp.step();
+    }));
+    expect_all_ok(run_threads(2, [&](Rank& r) {
+      auto group = make_group(r);
+      auto model = make_model(shape, dtype, /*wrap=*/false);  // DataParallel's names are the same
+      DataParallel dp(model, *group, {.bucket_bytes = 300, .zero_stage = ZeroStage::kNone});
+      dp.set_optimizer(make_flat_optimizer(s));
+      ckpt::State state;
+      dp.add_state(state);
+      ckpt::Checkpointer(r.store, options(r.rank, 2)).load(step, state);
+      dp.load_state(state);
+      EXPECT_EQ(dp.step_count(), 2);
+      ckpt::State now;
+      dp.add_state(now);
+      assemble(mutex, as_ddp, now);
+    }));
+    ASSERT_EQ(as_fsdp.size(), saved.size());
+    ASSERT_EQ(as_ddp.size(), saved.size());
+    for (const auto& [name, tensor] : saved) {
+      EXPECT_TRUE(as_fsdp.at(name).equal(tensor)) << "FSDP W=3 " << name << (bf16 ? " bf16" : "");
+      EXPECT_TRUE(as_ddp.at(name).equal(tensor))
+          << "DataParallel W=2 " << name << (bf16 ? " bf16" : "");
+    }
+  }
+}
+
+// --- bad input --------------------------------------------------------------------------------
+
+struct Holder : torch::nn::Module {};
+
+// A module with a unit inside it, for a unit around it.
+struct NestImpl : torch::nn::Module {
+  NestImpl() : inner(register_module("inner", FsdpUnit(Block(8, 8)))) {}
+  at::Tensor forward(const at::Tensor& x) { return inner(x); }
+  FsdpUnit inner;
+};
+TORCH_MODULE(Nest);
+
+std::string construction_error(std::shared_ptr<torch::nn::Module> model) {
+  std::string message;
+  expect_all_ok(run_threads(1, [&](Rank& r) {
+    auto group = make_group(r);
+    message = loom::testing::error_of<InvalidArgument>(
+        [&] { FullyShardedDataParallel fsdp(model, *group); });
+  }));
+  return message;
+}
+
+TEST(FsdpBadInput, AUnitInsideAnotherUnitIsNamed) {
+  auto model = std::make_shared<Holder>();
+  model->register_module("outer", FsdpUnit(Nest()));
+  const std::string message = construction_error(model);
+  EXPECT_NE(message.find("the unit 'outer.inner' is inside the unit 'outer'"), std::string::npos)
+      << message;
+}
+
+TEST(FsdpBadInput, AModuleInTwoUnitsIsNamed) {
+  Block a(8, 8), b(8, 8);
+  b->fc = b->replace_module("fc", a->fc);
+  auto model = std::make_shared<Holder>();
+  model->register_module("a", FsdpUnit(a));
+  model->register_module("b", FsdpUnit(b));
+  const std::string message = construction_error(model);
+  EXPECT_NE(message.find("module 'b.fc' (also at 'a.fc') is in unit 'b' and in unit 'a'"),
+            std::string::npos)
+      << message;
+}
+
+TEST(FsdpBadInput, AParameterSharedBetweenUnitsIsNamed) {
+  Block a(8, 8), b(8, 8);
+  b->register_parameter("tied", a->fc->weight);
+  auto model = std::make_shared<Holder>();
+  model->register_module("a", FsdpUnit(a));
+  model->register_module("b", FsdpUnit(b));
+  model->register_module("head", torch::nn::Linear(8, 2));
+  const std::string message = construction_error(model);
+  EXPECT_NE(message.find("parameter 'b.tied' (also 'a.fc.weight') is shared between unit 'b' and "
+                         "unit 'a'"),
+            std::string::npos)
+      << message;
+  auto rooted = std::make_shared<Holder>();
+  Block c(8, 8);
+  rooted->register_module("c", FsdpUnit(c));
+  rooted->register_parameter("tied", c->fc->bias);
+  const std::string root_message = construction_error(rooted);
+  EXPECT_NE(root_message.find(
+                "parameter 'c.fc.bias' (also 'tied') is shared between unit 'c' and the root unit"),
+            std::string::npos)
+      << root_message;
+}
+
+TEST(FsdpBadInput, AUnitMarkedTwiceIsNamed) {
+  FsdpUnit unit(Block(8, 8));
+  auto model = std::make_shared<Holder>();
+  model->register_module("first", unit);
+  model->register_module("second", unit);
+  std::string message = construction_error(model);
+  EXPECT_NE(message.find("the unit at 'second' is marked twice: the same FsdpUnit is also at "
+                         "'first'"),
+            std::string::npos)
+      << message;
+  Block block(8, 8);
+  auto wrapped_twice = std::make_shared<Holder>();
+  wrapped_twice->register_module("first", FsdpUnit(block));
+  wrapped_twice->register_module("second", FsdpUnit(block));
+  message = construction_error(wrapped_twice);
+  EXPECT_NE(message.find("is wrapped by two units, 'first' and 'second'"), std::string::npos)
+      << message;
+  message =
+      loom::testing::error_of<InvalidArgument>([&] { std::make_shared<FsdpUnitImpl>(unit.ptr()); });
+  EXPECT_NE(message.find("already an FsdpUnit"), std::string::npos) << message;
+}
+
+TEST(FsdpBadInput, MismatchedModelsAreAnErrorNamingRankAndParameter) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model(Shape{.hidden = r.rank == 0 ? 16 : 12}, at::kFloat, true);
+    const std::string message = loom::testing::error_of<InvalidArgument>([&] {
+      FullyShardedDataParallel fsdp(model, *group, {.timeout = std::chrono::seconds(20)});
+    });
+    EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("blocks.0.fc.weight|Float|[16, 8]|blocks.0"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("blocks.0.fc.weight|Float|[12, 8]|blocks.0"), std::string::npos)
+        << message;
+  }));
+}
+
+// A rank that runs forward but not backward: its peer's pre-backward gather times out naming
+// the unit.
+TEST(FsdpBadInput, ARankSkippingBackwardTimesOutNamingTheUnit) {
+  torch::set_num_threads(1);
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model(Shape{}, at::kFloat, true);
+    FullyShardedDataParallel fsdp(model, *group, {.timeout = std::chrono::seconds(2)});
+    const auto [x, y] = global_batch(0, 2, Scenario{});
+    const at::Tensor loss = loss_of(*model, x, y, at::kFloat);
+    if (r.rank == 1) return;
+    const std::string message = loom::testing::error_of<std::exception>([&] { loss.backward(); });
+    EXPECT_NE(message.find("gathering the parameters of unit 2 'blocks.2'"), std::string::npos)
+        << message;
+  }));
+}
+
+}  // namespace
+}  // namespace loom::parallel
