@@ -8,7 +8,7 @@
 //   kTwo   ZeRO-2: as kOne, but gradients are reduce-scattered: each rank receives only the
 //          reduced gradient of its slice, and keeps no full-size gradient buffer (a bucket's
 //          buffer lives from its first gradient until its reduce-scatter completes).
-// ZeRO-3 (parameters sharded too, gathered before use) is FSDP, not built yet.
+// ZeRO-3 (parameters sharded too, gathered before use) is FullyShardedDataParallel (fsdp.h).
 #pragma once
 
 namespace loom::parallel {

@@ -302,8 +302,14 @@ TEST(Fsdp, PrefetchesTheNextUnitsGatherInForwardAndBackward) {
       const Shape shape{.blocks = 4};
       auto model = make_model(shape, at::kFloat, true);
       FullyShardedDataParallel fsdp(model, *group, {.prefetch = prefetch});
+      const int64_t resting = fsdp.memory().parameter_bytes;  // shards and the gathered root
       const auto [x, y] = global_batch(0, 2, Scenario{});
-      loss_of(*model, x, y, at::kFloat).backward();
+      const at::Tensor loss = loss_of(*model, x, y, at::kFloat);
+      // Freed after forward although autograd saved views of the parameters (addmm keeps
+      // weight.t()): the full buffers' storages themselves were released.
+      EXPECT_EQ(fsdp.memory().parameter_bytes, resting);
+      loss.backward();
+      EXPECT_EQ(fsdp.memory().parameter_bytes, resting);
       fsdp.finish_gradient_sync();
       const FsdpStats& stats = fsdp.stats();
       // Units 1..3 are gathered while the previous unit's forward runs; in backward units 2..0
