@@ -376,6 +376,87 @@ TEST(Fsdp, HoldsUnderThirtyPercentOfDataParallelsBytesAtFourRanks) {
   EXPECT_GT(ratio, 0.2);  // 1/4 is the floor: not vacuous
 }
 
+// The ModuleList policy, and a unit around a wrapper module (as an ActivationCheckpoint around a
+// block would be): names stay those of the unwrapped model, an FsdpUnit without FSDP is its
+// module, and training through the list matches the same model trained unwrapped with FSDP
+// units on nothing (the root only).
+struct WrapperImpl : torch::nn::Module {  // stands in for ActivationCheckpoint(block)
+  explicit WrapperImpl(Block block) : inner(register_module("inner", std::move(block))) {}
+  at::Tensor forward(const at::Tensor& x) { return inner(x) + x; }
+  Block inner;
+};
+TORCH_MODULE(Wrapper);
+
+struct ListModel : torch::nn::Module {
+  ListModel() {
+    list = register_module("list", torch::nn::ModuleList());
+    for (int b = 0; b < 3; ++b) list->push_back(Wrapper(Block(8, 8)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (const auto& m : *list) {
+      auto* unit = m->as<FsdpUnitImpl>();
+      x = unit != nullptr ? unit->forward(x) : m->as<WrapperImpl>()->forward(x);
+    }
+    return x.narrow(1, 0, 4);
+  }
+  torch::nn::ModuleList list{nullptr};
+};
+
+std::shared_ptr<ListModel> make_list_model(bool wrap) {
+  auto model = std::make_shared<ListModel>();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(99);
+  torch::NoGradGuard no_grad;
+  for (auto& item : model->named_parameters())
+    item.value().copy_(at::randn(item.value().sizes(), gen) * 0.3);
+  if (wrap) {
+    EXPECT_EQ(wrap_modules<WrapperImpl>(model->list), 3);
+  }
+  return model;
+}
+
+TEST(Fsdp, ModuleListPolicyWrapsWrapperModulesAndKeepsNames) {
+  torch::set_num_threads(1);
+  auto plain = make_list_model(false);
+  auto wrapped = make_list_model(true);
+  std::vector<std::string> plain_names, wrapped_names;
+  for (const auto& item : plain->named_parameters()) plain_names.push_back(item.key());
+  for (const auto& item : wrapped->named_parameters()) wrapped_names.push_back(item.key());
+  EXPECT_EQ(wrapped_names, plain_names);
+  EXPECT_EQ(plain_names.front(), "list.0.inner.fc.weight");
+  const at::Tensor x = at::randn({5, 8});
+  EXPECT_TRUE(wrapped->forward(x).equal(plain->forward(x))) << "unattached units are their modules";
+  wrapped->eval();
+  EXPECT_FALSE(wrapped->list[0]->as<FsdpUnitImpl>()->wrapped()->is_training());
+  wrapped->train();
+  const Scenario s{.name = "list", .steps = 2};
+  expect_all_ok(run_threads(2, [&](Rank& r) {
+    auto group = make_group(r);
+    Parameters results[2];
+    for (bool wrap : {false, true}) {
+      auto model = make_list_model(wrap);
+      FullyShardedDataParallel fsdp(model, *group);
+      EXPECT_EQ(fsdp.unit_count(), wrap ? 3 : 1);
+      if (wrap) {
+        EXPECT_EQ(fsdp.unit_name(2), "list.2");
+      }
+      fsdp.set_optimizer(make_flat_optimizer(s));
+      for (int step = 0; step < s.steps; ++step) {
+        const auto [x, y] = global_batch(step, 2, s);
+        fsdp.zero_grad();
+        (model->forward(rows_of(x, r.rank, 0, s)) - rows_of(y, r.rank, 0, s))
+            .square()
+            .mean()
+            .backward();
+        fsdp.finish_gradient_sync();
+        fsdp.step();
+      }
+      results[wrap] = fsdp.gather_full_parameters();
+    }
+    // The same arithmetic: only the sharding of the flat buffers differs.
+    expect_match(results[1], results[0], 0.0, "ModuleList units against the root alone");
+  }));
+}
+
 // --- checkpoints ------------------------------------------------------------------------------
 
 // The global tensors a set of ranks' States describe, as a checkpointer reassembles them.
