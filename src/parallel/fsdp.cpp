@@ -151,11 +151,12 @@ struct Unit {
   int64_t padded = 0;  // numel rounded up to a multiple of the world size
   int64_t shard_begin = 0;
   int64_t shard_end = 0;
-  at::Tensor shard;               // this rank's slice of the parameters (parameter dtype)
-  at::Tensor master;              // fp32 copy of the shard (non-fp32 with master weights)
-  std::vector<at::Tensor> state;  // optimizer state for the shard, fp32
-  at::Tensor grad_shard;          // the reduced gradient of the shard (parameter dtype)
-  bool grad_shard_set = false;    // false: zero since zero_grad
+  at::Tensor shard;                        // this rank's slice of the parameters (parameter dtype)
+  at::Tensor master;                       // fp32 copy of the shard (non-fp32 with master weights)
+  std::vector<at::Tensor> state;           // optimizer state for the shard, fp32
+  at::Tensor grad_shard;                   // the reduced gradient of the shard (grad_dtype)
+  at::ScalarType grad_dtype = at::kFloat;  // options.reduce_dtype, or the parameters' dtype
+  bool grad_shard_set = false;             // false: zero since zero_grad
   // The full (padded) parameters. The tensor lives as long as the unit; its storage is
   // allocated only while gathered (autograd's saved views of the parameters point into it).
   at::Tensor full;
@@ -436,7 +437,8 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       unit.shard = unit.full.narrow(0, unit.shard_begin, unit.shard_size()).clone();
       if (unit.dtype != at::kFloat && options.master_weights)
         unit.master = unit.shard.to(at::kFloat);
-      unit.grad_shard = at::zeros({unit.shard_size()}, on_device(unit.dtype));
+      unit.grad_dtype = options.reduce_dtype.value_or(unit.dtype);
+      unit.grad_shard = at::zeros({unit.shard_size()}, on_device(unit.grad_dtype));
       unit.gathered = Gathered::kYes;
       install_views(unit);
     }
@@ -655,9 +657,15 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     }
     Unit& unit = units[u];
     for (int i : unit.params) params[i].tensor.mutable_grad() = at::Tensor();
-    unit.reduce_input = std::move(unit.full_grad);
+    if (unit.full_grad.scalar_type() == unit.grad_dtype) {
+      unit.reduce_input = std::move(unit.full_grad);
+    } else {  // a reduce dtype of its own: converted once, then the unit's buffer is freed
+      unit.reduce_input = unit.full_grad.to(unit.grad_dtype);
+      gradient_storages.push_back(unit.reduce_input.storage().getWeakStorageImpl());
+      note_memory();
+    }
     unit.full_grad = at::Tensor();
-    unit.reduce_output = at::empty({unit.shard_size()}, on_device(unit.dtype));
+    unit.reduce_output = at::empty({unit.shard_size()}, on_device(unit.grad_dtype));
     note_memory();
     unit.reduce_work = group.reduce_scatter(unit.reduce_output, unit.reduce_input,
                                             {comm::ReduceOp::kAvg, options.timeout});
@@ -953,6 +961,9 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
 FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                    comm::Group& group, const FsdpOptions& options) {
   LOOM_CHECK(module != nullptr, InvalidArgument, "FSDP: module is null");
+  LOOM_CHECK(!options.reduce_dtype || at::isFloatingType(*options.reduce_dtype), InvalidArgument,
+             "FSDP: reduce_dtype must be a floating-point dtype, got ",
+             c10::toString(options.reduce_dtype.value_or(at::kFloat)));
   impl_ = std::make_unique<Impl>(std::move(module), group, options);
   impl_->find_units();
   impl_->collect_parameters();

@@ -43,6 +43,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -136,6 +137,12 @@ struct FsdpOptions {
   // Non-fp32 (bf16) parameters get fp32 master shards that the optimizer updates; the
   // parameter shards are rounded from them. Optimizer state is always fp32.
   bool master_weights = true;
+  // The dtype gradients are reduce-scattered in and gradient shards are kept in; unset: the
+  // parameters' dtype (bf16 gradients are then summed in fp32 inside the group and rounded to
+  // bf16 once, as DataParallel does). at::kFloat with bf16 parameters: each unit's unsharded
+  // bf16 gradient is converted to fp32 before the reduce-scatter (one rounding less, twice the
+  // bytes on the wire).
+  std::optional<at::ScalarType> reduce_dtype;
   // Deadline of every wait: construction's checks, gathers, reduce-scatters, clip, step, load.
   std::chrono::milliseconds timeout = comm::kDefaultCollectiveTimeout;
 };

@@ -92,7 +92,9 @@ at::Tensor loss_of(BlockMlp& model, const at::Tensor& x, const at::Tensor& y,
 
 // equivalence.h's reference_training on the block model: torch::optim on the concatenated
 // batch; bf16 as the ranks compute it (per-rank bf16 gradients averaged in fp32, rounded once).
-Parameters reference_training(int world, const Scenario& s, const Shape& shape) {
+// reduce_fp32: the bf16 gradients are averaged in fp32 and not rounded (FsdpOptions::reduce_dtype).
+Parameters reference_training(int world, const Scenario& s, const Shape& shape,
+                              bool reduce_fp32 = false) {
   const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
   auto model = make_model(shape, dtype, /*wrap=*/false);
   std::vector<at::Tensor> params = model->parameters();
@@ -131,7 +133,8 @@ Parameters reference_training(int world, const Scenario& s, const Shape& shape) 
     }
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
-      masters[i].mutable_grad() = (sums[i] / world).to(at::kBFloat16).to(at::kFloat);
+      masters[i].mutable_grad() =
+          reduce_fp32 ? sums[i] / world : (sums[i] / world).to(at::kBFloat16).to(at::kFloat);
     }
     opt->step();
     for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
@@ -204,6 +207,8 @@ std::vector<Case> cases() {
       {{.name = "sgd-accumulate-clip", .adamw = false, .micro_steps = 2, .clip = 0.05}, {}});
   out.push_back({{.name = "adamw-clip", .clip = 0.05}, {}});
   out.push_back({{.name = "adamw-bf16-accumulate", .micro_steps = 2, .bf16 = true}, {}});
+  out.push_back({{.name = "adamw-bf16-reduce-fp32-accumulate", .micro_steps = 2, .bf16 = true},
+                 {.reduce_dtype = at::kFloat}});
   out.push_back({{.name = "adamw-keep-gathered-no-prefetch"},
                  {.reshard_after_forward = false, .prefetch = false}});
   return out;
@@ -222,7 +227,8 @@ TEST_P(FsdpWorld, TrainsLikeSingleProcessTorchOptim) {
     for (Case c : cases()) {
       c.options.timeout = std::chrono::seconds(60);
       const Scenario& s = c.scenario;
-      const Parameters expected = reference_training(world, s, shape);
+      const Parameters expected =
+          reference_training(world, s, shape, c.options.reduce_dtype.has_value());
       const Parameters actual = train_fsdp(*group, s, shape, c.options);
       const Parameters init = [&] {
         Parameters p;
