@@ -2,7 +2,7 @@
 #include "config.h"
 
 #include <loom/error.h>
-#include <loom/parallel/data_parallel.h>
+#include <loom/parallel/strategy.h>
 #include <loom/train/trainer.h>
 
 #include <string>
@@ -11,7 +11,7 @@ namespace gpt {
 
 loom::ConfigSchema config_schema() {
   loom::ConfigSchema s = loom::train::TrainOptions::schema();  // train.steps, train.lr, ...
-  s.merge(loom::parallel::DataParallelOptions::schema());      // parallel.mode, ...
+  s.merge(loom::parallel::strategy_schema());                  // parallel.mode, ...
   s.add("data.train", "data/kjv-train-bpe",
         "training token dataset: a directory (loom data build text) or a registry name (kjv@3)");
   s.add("data.val", "data/kjv-val-bpe",
@@ -24,6 +24,8 @@ loom::ConfigSchema config_schema() {
         "parameter and compute dtype: float32, or bfloat16 (fp32 master weights and AdamW state)");
   s.add("train.batch_size", 16, "sequences per step, over all ranks");
   s.add("train.weight_decay", 0.1, "AdamW weight decay");
+  s.add("train.activation_checkpointing", false,
+        "recompute each block's activations in backward instead of keeping them");
   s.add("eval.batches", 8, "held-out batches of train.batch_size sequences per evaluation");
   s.add("sample.prompt", "And God said", "text the samples start from");
   s.add("sample.tokens", 48, "tokens to generate per sample");

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <loom/error.h>
 #include <loom/parallel/data_parallel.h>
+#include <loom/parallel/fsdp.h>
+#include <loom/parallel/strategy.h>
 #include <loom/runtime.h>
 
 #include <filesystem>
@@ -59,22 +61,47 @@ TEST(GptConfigs, AnUnknownDtypeIsAConfigErrorNamingTheKey) {
   EXPECT_EQ(parameter_dtype(load({})), c10::kFloat);
 }
 
-TEST(GptConfigs, ParallelModeChoosesTheZeroStageAndBadModesNameTheKey) {
+TEST(GptConfigs, ParallelModeChoosesTheStrategyAndBadModesNameTheKey) {
   using loom::parallel::DataParallelOptions;
+  using loom::parallel::FsdpOptions;
+  using loom::parallel::Mode;
   using loom::parallel::ZeroStage;
+  EXPECT_EQ(loom::parallel::mode_from(load({})), Mode::kDdp);
+  EXPECT_EQ(loom::parallel::mode_from(load({"--parallel.mode=fsdp"})), Mode::kFsdp);
   EXPECT_EQ(DataParallelOptions::from(load({})).zero_stage, ZeroStage::kNone);
   EXPECT_EQ(DataParallelOptions::from(load({"--parallel.mode=zero1"})).zero_stage, ZeroStage::kOne);
   const DataParallelOptions zero2 =
       DataParallelOptions::from(load({"--parallel.mode=zero2", "--parallel.bucket_mb=2"}));
   EXPECT_EQ(zero2.zero_stage, ZeroStage::kTwo);
   EXPECT_EQ(zero2.bucket_bytes, size_t{2} << 20);
-  for (const char* bad : {"--parallel.mode=zero4", "--parallel.bucket_mb=0"}) {
+  const FsdpOptions fsdp_default = FsdpOptions::from(load({"--parallel.mode=fsdp"}));
+  EXPECT_TRUE(fsdp_default.reshard_after_forward);
+  EXPECT_FALSE(fsdp_default.reduce_dtype.has_value());
+  const FsdpOptions fsdp =
+      FsdpOptions::from(load({"--parallel.mode=fsdp", "--parallel.reshard_after_forward=false",
+                              "--parallel.reduce_dtype=fp32"}));
+  EXPECT_FALSE(fsdp.reshard_after_forward);
+  EXPECT_EQ(fsdp.reduce_dtype, c10::kFloat);
+  struct Bad {
+    std::vector<std::string> args;
+    const char* key;
+  };
+  for (const Bad& bad : {Bad{{"--parallel.mode=zero4"}, "parallel.mode"},
+                         Bad{{"--parallel.bucket_mb=0"}, "parallel.bucket_mb"},
+                         Bad{{"--parallel.mode=fsdp"}, "parallel.mode"}}) {
     try {
-      DataParallelOptions::from(load({bad}));
-      ADD_FAILURE() << bad << ": expected a ConfigError";
+      DataParallelOptions::from(load(bad.args));
+      ADD_FAILURE() << bad.args[0] << ": expected a ConfigError";
     } catch (const loom::ConfigError& e) {
-      EXPECT_NE(std::string(e.what()).find("parallel."), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(bad.key), std::string::npos) << e.what();
     }
+  }
+  try {
+    FsdpOptions::from(load({"--parallel.reduce_dtype=fp16"}));
+    ADD_FAILURE() << "expected a ConfigError";
+  } catch (const loom::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.reduce_dtype is 'fp16'"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -90,6 +90,8 @@ void train(loom::Runtime& rt) {
   const auto vocab = loom::data::Vocabulary::of_dataset(train_dir);
 
   gpt::Gpt model(model_cfg);
+  const int64_t num_params = model->num_params();  // before FSDP empties the unit parameters
+  const double flops_per_token = model->flops_per_token();
   // bfloat16: bf16 parameters and compute; DataParallel keeps fp32 master weights and AdamW
   // state (docs/parallel.md), and on CUDA steps them with the fused AdamW kernel.
   model->to(rt.device(), gpt::parameter_dtype(cfg));
@@ -98,37 +100,47 @@ void train(loom::Runtime& rt) {
       "{:.2f} MFLOP/token; train {} ({} tokens, {} sequences), held out {} ({} sequences); "
       "{} sequences per step on {} rank(s)",
       model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd, model_cfg.seq_len,
-      model_cfg.vocab_size, model->num_params() / 1e6, model->flops_per_token() / 1e6, train_dir,
+      model_cfg.vocab_size, num_params / 1e6, flops_per_token / 1e6, train_dir,
       reader->manifest().total_items(), reader->num_samples(), cfg.get<std::string>("data.val"),
       val.num_samples(), global_batch, rt.world_size());
 
-  // Data parallelism (parallel.mode: DDP, ZeRO-1 or ZeRO-2) with Loom's AdamW (betas 0.9/0.95,
+  // Data parallelism (parallel.mode: DDP, ZeRO-1, ZeRO-2, or FSDP with each block a unit and
+  // the embeddings and final LayerNorm in the root unit) with Loom's AdamW (betas 0.9/0.95,
   // GPT-2/nanoGPT practice). Its weight decay applies to every parameter, LayerNorms and biases
   // included.
-  loom::parallel::DataParallel dp(model.ptr(), rt.world_group(), rt.control_group(),
-                                  loom::parallel::DataParallelOptions::from(cfg));
-  dp.set_optimizer(std::make_unique<loom::optim::AdamW>(
+  const loom::parallel::Mode mode = loom::parallel::mode_from(cfg);
+  if (mode == loom::parallel::Mode::kFsdp) {
+    loom::parallel::wrap_modules<torch::nn::Module>(model->blocks);
+  }
+  const std::unique_ptr<loom::parallel::Strategy> strategy =
+      loom::parallel::make_strategy(model.ptr(), rt.world_group(), rt.control_group(), cfg);
+  strategy->set_optimizer(std::make_unique<loom::optim::AdamW>(
       loom::optim::AdamWOptions{.lr = cfg.get<double>("train.lr"),
                                 .beta2 = 0.95,
                                 .weight_decay = cfg.get<double>("train.weight_decay")}));
   at::manual_seed(rt.rank_seed());
 
   loom::train::TrainOptions options = loom::train::TrainOptions::from(cfg);
-  options.flops_per_token = model->flops_per_token();
+  options.flops_per_token = flops_per_token;
   if (options.eval_every == 0) options.eval_every = options.steps;
 
   std::mt19937_64 sample_rng(rt.seed());
   const std::vector<int64_t> prompt = encode_prompt(vocab, cfg.get<std::string>("sample.prompt"));
   nlohmann::json curve = nlohmann::json::array();
-  // Held-out loss and a sample, on rank 0 (the others go on to the next step's collectives).
+  // Held-out loss and a sample, on rank 0 (the others go on to the next step's collectives);
+  // under FSDP on every rank, since each forward gathers parameters from all of them.
+  const bool evaluates = rt.is_main() || mode == loom::parallel::Mode::kFsdp;
   auto evaluate = [&](int64_t steps_done) {
-    if (!rt.is_main()) return;
+    if (!evaluates) return;
     const double loss = held_out_loss(model, val, batch, eval_batches);
-    rt.log().info("step {}: held-out loss {:.4f}{}", steps_done, loss,
-                  steps_done == 0 ? fmt::format(" (untrained; ln(vocab) = {:.4f})",
-                                                std::log(static_cast<double>(model_cfg.vocab_size)))
-                                  : "");
     curve.push_back({{"step", steps_done}, {"val_loss", loss}});
+    if (rt.is_main()) {
+      rt.log().info("step {}: held-out loss {:.4f}{}", steps_done, loss,
+                    steps_done == 0
+                        ? fmt::format(" (untrained; ln(vocab) = {:.4f})",
+                                      std::log(static_cast<double>(model_cfg.vocab_size)))
+                        : "");
+    }
     if (!prompt.empty()) {
       torch::NoGradGuard no_grad;
       model->eval();
@@ -136,12 +148,12 @@ void train(loom::Runtime& rt) {
                                  cfg.get<int64_t>("sample.top_k"),
                                  cfg.get<double>("sample.temperature"), sample_rng);
       model->train();
-      rt.log().info("sample: {}", vocab.decode(ids));
+      if (rt.is_main()) rt.log().info("sample: {}", vocab.decode(ids));
     }
   };
 
   loom::train::Trainer trainer(
-      rt, dp, *reader, options,
+      rt, *strategy, *reader, options,
       [&](const loom::data::Batch& b) {
         const at::Tensor tokens = b["tokens"].to(rt.device());
         const at::Tensor loss = model->loss(tokens.slice(1, 0, -1), tokens.slice(1, 1));
@@ -155,19 +167,16 @@ void train(loom::Runtime& rt) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // The result is the held-out loss of the trained model: evaluate at the end unless the last
   // evaluation was at the last step (train.steps not a multiple of eval.every).
-  if (rt.is_main() && (curve.empty() || curve.back()["step"].get<int64_t>() != result.steps_done)) {
+  if (evaluates && (curve.empty() || curve.back()["step"].get<int64_t>() != result.steps_done)) {
     evaluate(result.steps_done);
   }
   if (rt.is_main() && !curve.empty()) {
     rt.log().info("result: held-out loss {:.4f} after steps {}..{} in {:.1f} s on {} rank(s)",
                   curve.back()["val_loss"].get<double>(), result.start_step, result.steps_done,
                   seconds, rt.world_size());
-    const nlohmann::json out = {{"steps", result.steps_done},
-                                {"train_seconds", seconds},
-                                {"world_size", rt.world_size()},
-                                {"params", model->num_params()},
-                                {"flops_per_token", model->flops_per_token()},
-                                {"curve", curve}};
+    const nlohmann::json out = {{"steps", result.steps_done},         {"train_seconds", seconds},
+                                {"world_size", rt.world_size()},      {"params", num_params},
+                                {"flops_per_token", flops_per_token}, {"curve", curve}};
     std::ofstream(rt.run_dir() / "result.json") << out.dump(1) << "\n";
   }
 }

@@ -47,7 +47,7 @@ GptImpl::GptImpl(const GptConfig& c) : config_(c) {
              "GPT config needs positive vocab_size, seq_len, n_layer, n_embd");
   wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
   wpe = register_module("wpe", torch::nn::Embedding(c.seq_len, c.n_embd));
-  blocks = register_module("blocks", torch::nn::ModuleList());
+  blocks = register_module("blocks", torch::nn::Sequential());
   for (int64_t i = 0; i < c.n_layer; ++i) blocks->push_back(Block(c));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
 
@@ -73,7 +73,7 @@ torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
              " tokens is longer than model.seq_len ", config_.seq_len);
   auto positions = torch::arange(T, idx.options().dtype(torch::kLong));
   auto x = wte->forward(idx) + wpe->forward(positions);
-  for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
+  x = blocks->forward(x);
   return torch::matmul(ln_f->forward(x), wte->weight.t());  // head tied to the embedding
 }
 

@@ -76,7 +76,8 @@ class GptImpl : public torch::nn::Module {
   const GptConfig& config() const { return config_; }
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
-  torch::nn::ModuleList blocks{nullptr};
+  // A Sequential, so that wrapped blocks (FSDP units, activation checkpointing) run unchanged.
+  torch::nn::Sequential blocks{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
 
  private:

@@ -17,6 +17,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "loom/ckpt/export.h"
 #include "loom/ckpt/state.h"
 #include "loom/error.h"
 #include "loom/metrics/allocations.h"
@@ -38,8 +39,6 @@ const char* to_string(ZeroStage stage) {
 
 ConfigSchema DataParallelOptions::schema() {
   ConfigSchema s;
-  s.add("parallel.mode", "ddp",
-        "ddp (replicated), zero1 (optimizer state sharded) or zero2 (gradients too)");
   s.add("parallel.bucket_mb", 25.0, "gradient bucket size in MiB (zero2: a few % of the model)");
   s.add("parallel.find_unused_parameters", false,
         "reduce parameters that got no gradient as zeros instead of failing naming them");
@@ -48,16 +47,20 @@ ConfigSchema DataParallelOptions::schema() {
 
 DataParallelOptions DataParallelOptions::from(const Config& config) {
   DataParallelOptions o;
-  const std::string mode = config.get<std::string>("parallel.mode");
-  if (mode == "ddp") {
-    o.zero_stage = ZeroStage::kNone;
-  } else if (mode == "zero1") {
-    o.zero_stage = ZeroStage::kOne;
-  } else if (mode == "zero2") {
-    o.zero_stage = ZeroStage::kTwo;
-  } else {
-    throw ConfigError(detail::concat("parallel.mode is '", mode,
-                                     "'; use ddp, zero1 or zero2 (docs/parallel.md)"));
+  switch (mode_from(config)) {
+    case Mode::kDdp:
+      o.zero_stage = ZeroStage::kNone;
+      break;
+    case Mode::kZero1:
+      o.zero_stage = ZeroStage::kOne;
+      break;
+    case Mode::kZero2:
+      o.zero_stage = ZeroStage::kTwo;
+      break;
+    case Mode::kFsdp:
+      throw ConfigError(
+          "parallel.mode is 'fsdp', which is FullyShardedDataParallel, not DataParallel: build "
+          "the strategy with parallel::make_strategy (docs/parallel.md)");
   }
   const double mb = config.get<double>("parallel.bucket_mb");
   LOOM_CHECK(mb > 0 && mb <= 4096, ConfigError, "parallel.bucket_mb is ", mb,
@@ -762,6 +765,14 @@ void DataParallel::parameters_changed() {
       bucket.master.copy_(bucket.data.narrow(0, bucket.shard_begin, bucket.shard_size()));
     }
   }
+}
+
+int64_t DataParallel::load_weights(const std::filesystem::path& ckpt_dir, int64_t step) {
+  std::vector<ckpt::NamedTensor> params;
+  for (const auto& p : impl_->module->named_parameters()) params.push_back({p.key(), p.value()});
+  const int64_t loaded = ckpt::load_model_weights(ckpt_dir, step, params);
+  parameters_changed();
+  return loaded;
 }
 
 void DataParallel::Impl::install_hooks() {

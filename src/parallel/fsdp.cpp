@@ -18,8 +18,10 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "loom/ckpt/export.h"
 #include "loom/ckpt/state.h"
 #include "loom/error.h"
+#include "loom/metrics/allocations.h"
 #include "parallel/sum_of_squares.h"
 
 namespace loom::parallel {
@@ -79,11 +81,35 @@ void replace_list_element(torch::nn::ModuleList& list, size_t index,
 
 }  // namespace detail
 
+ConfigSchema FsdpOptions::schema() {
+  ConfigSchema s;
+  s.add("parallel.reshard_after_forward", true,
+        "fsdp: free a unit's gathered parameters after its forward (gather again in backward)");
+  s.add("parallel.reduce_dtype", "",
+        "fsdp: dtype of the gradient reduce-scatter and shards: empty (the parameters') or fp32");
+  return s;
+}
+
+FsdpOptions FsdpOptions::from(const Config& config) {
+  FsdpOptions o;
+  o.reshard_after_forward = config.get<bool>("parallel.reshard_after_forward");
+  const std::string reduce = config.get<std::string>("parallel.reduce_dtype");
+  if (reduce == "fp32") {
+    o.reduce_dtype = at::kFloat;
+  } else {
+    LOOM_CHECK(reduce.empty(), ConfigError, "parallel.reduce_dtype is '", reduce,
+               "'; use fp32, or leave it empty to reduce in the parameters' dtype");
+  }
+  return o;
+}
+
 // --- the engine ---------------------------------------------------------------------------------
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using metrics::MemoryCategory;
+using metrics::MemoryCategoryScope;
 using std::chrono::milliseconds;
 
 constexpr const char* kRootName = "(root)";
@@ -430,15 +456,21 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       const int64_t chunk = unit.padded / world;
       unit.shard_begin = rank * chunk;
       unit.shard_end = (rank + 1) * chunk;
+      MemoryCategoryScope parameters(MemoryCategory::kParameters);
       unit.full = at::zeros({unit.padded}, on_device(unit.dtype));
       for (int i : unit.params) full_view(unit, params[i]).copy_(params[i].tensor);
       group.broadcast(unit.full, {.root = 0, .timeout = options.timeout})
           ->wait(remaining(deadline));
       unit.shard = unit.full.narrow(0, unit.shard_begin, unit.shard_size()).clone();
-      if (unit.dtype != at::kFloat && options.master_weights)
+      if (unit.dtype != at::kFloat && options.master_weights) {
+        MemoryCategoryScope state(MemoryCategory::kOptimizerState);
         unit.master = unit.shard.to(at::kFloat);
+      }
       unit.grad_dtype = options.reduce_dtype.value_or(unit.dtype);
-      unit.grad_shard = at::zeros({unit.shard_size()}, on_device(unit.grad_dtype));
+      {
+        MemoryCategoryScope gradients(MemoryCategory::kGradients);
+        unit.grad_shard = at::zeros({unit.shard_size()}, on_device(unit.grad_dtype));
+      }
       unit.gathered = Gathered::kYes;
       install_views(unit);
     }
@@ -482,6 +514,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     c10::StorageImpl* storage = unit.full.storage().unsafeGetStorageImpl();
     const size_t bytes = static_cast<size_t>(bytes_of(unit.full));
     if (storage->nbytes() == bytes) return;
+    MemoryCategoryScope parameters(MemoryCategory::kParameters);
     storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
     storage->set_nbytes(bytes);
     note_memory();
@@ -585,6 +618,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     unit.in_backward = true;
     unit.pending = static_cast<int>(unit.params.size());
     if (!unit.full_grad.defined()) {
+      MemoryCategoryScope gradients(MemoryCategory::kGradients);
       unit.full_grad = at::zeros({unit.padded}, on_device(unit.dtype));
       gradient_storages.push_back(unit.full_grad.storage().getWeakStorageImpl());
       note_memory();
@@ -656,6 +690,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
         complete_reduce(older, Clock::now() + options.timeout);
     }
     Unit& unit = units[u];
+    MemoryCategoryScope gradients(MemoryCategory::kGradients);
     for (int i : unit.params) params[i].tensor.mutable_grad() = at::Tensor();
     if (unit.full_grad.scalar_type() == unit.grad_dtype) {
       unit.reduce_input = std::move(unit.full_grad);
@@ -784,6 +819,12 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     }
   }
 
+  void wait_gathers_in_flight(const char* why) {
+    for (int u = 0; u < static_cast<int>(units.size()); ++u) {
+      if (units[u].gathered == Gathered::kInFlight) wait_gather(u, why);
+    }
+  }
+
   // Finishes in-flight gathers (they read the shards) and frees unit parameters: they are
   // stale once the shards change. The root is gathered again.
   void refresh_after_shards_changed() {
@@ -802,9 +843,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     LOOM_CHECK(optimizer != nullptr, InvalidArgument,
                "FSDP::step: no optimizer; call set_optimizer first");
     torch::NoGradGuard no_grad;
-    for (int u = 0; u < static_cast<int>(units.size()); ++u) {
-      if (units[u].gathered == Gathered::kInFlight) wait_gather(u, "the optimizer step");
-    }
+    wait_gathers_in_flight("the optimizer step");
     ++steps;
     for (Unit& unit : units) {
       at::Tensor grad = unit.grad_shard;
@@ -824,6 +863,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
   }
 
   void allocate_state() {
+    MemoryCategoryScope state(MemoryCategory::kOptimizerState);
     for (Unit& unit : units) {
       unit.state.clear();
       for (size_t i = 0; i < optimizer->state_names().size(); ++i) {
@@ -905,9 +945,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
                "FSDP::load_state: the state was saved with optimizer '", saved_optimizer,
                "' but this one is '", optimizer->name(), "'");
     torch::NoGradGuard no_grad;
-    for (int u = 0; u < static_cast<int>(units.size()); ++u) {
-      if (units[u].gathered == Gathered::kInFlight) wait_gather(u, "loading state");
-    }
+    wait_gathers_in_flight("loading state");
     for_each_state_tensor([&](const std::string& name, const at::Tensor& t,
                               const ckpt::Sharding& sharding) {
       const auto it = by_name.find(name);
@@ -926,6 +964,43 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       if (unit.master.defined()) unit.shard.copy_(unit.master);
     }
     refresh_after_shards_changed();
+  }
+
+  int64_t load_weights(const std::filesystem::path& ckpt_dir, int64_t step) {
+    std::map<std::string, at::Tensor> full = gather_full_parameters();
+    std::vector<ckpt::NamedTensor> named;
+    for (const auto& [name, tensor] : full) named.push_back({name, tensor});
+    for (const auto& item : module->named_parameters()) {  // frozen ones are not sharded
+      if (!item.value().requires_grad()) named.push_back({item.key(), item.value()});
+    }
+    const int64_t loaded = ckpt::load_model_weights(ckpt_dir, step, named);
+    torch::NoGradGuard no_grad;
+    wait_gathers_in_flight("loading weights");
+    for (const Param& p : params) {
+      Unit& unit = units[p.unit];
+      const int64_t lo = std::max(unit.shard_begin, p.offset);
+      const int64_t hi = std::min(unit.shard_end, p.offset + p.numel);
+      if (lo >= hi) continue;
+      unit.shard.narrow(0, lo - unit.shard_begin, hi - lo)
+          .copy_(full.at(p.name).reshape(-1).narrow(0, lo - p.offset, hi - lo));
+    }
+    for (Unit& unit : units) {
+      if (unit.master.defined()) unit.master.copy_(unit.shard);
+    }
+    refresh_after_shards_changed();
+    return loaded;
+  }
+
+  std::string first_non_finite_gradient() const {
+    for (const Param& p : params) {
+      const Unit& unit = units[p.unit];
+      const int64_t lo = std::max(unit.shard_begin, p.offset);
+      const int64_t hi = std::min(unit.shard_end, p.offset + p.numel);
+      if (lo >= hi) continue;
+      const at::Tensor grad = unit.grad_shard.narrow(0, lo - unit.shard_begin, hi - lo);
+      if (!at::isfinite(grad).all().item<bool>()) return p.name;
+    }
+    return "";
   }
 
   // --- memory accounting ----------------------------------------------------------------------
@@ -1019,6 +1094,17 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
   return impl_->clip_grad_norm(max_norm);
 }
 
+void FullyShardedDataParallel::scale_gradients(double factor) {
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : impl_->units) unit.grad_shard.mul_(factor);
+}
+std::string FullyShardedDataParallel::first_non_finite_gradient() const {
+  return impl_->first_non_finite_gradient();
+}
+int64_t FullyShardedDataParallel::load_weights(const std::filesystem::path& ckpt_dir,
+                                               int64_t step) {
+  return impl_->load_weights(ckpt_dir, step);
+}
 void FullyShardedDataParallel::set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer) {
   LOOM_CHECK(optimizer != nullptr, InvalidArgument, "FSDP::set_optimizer: null");
   impl_->optimizer = std::move(optimizer);

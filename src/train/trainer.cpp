@@ -20,8 +20,8 @@
 #include "loom/error.h"
 #include "loom/metrics/flops.h"
 #include "loom/metrics/logger.h"
-#include "loom/parallel/data_parallel.h"
 #include "loom/parallel/optim.h"
+#include "loom/parallel/strategy.h"
 #include "loom/runtime.h"
 
 namespace loom::train {
@@ -137,7 +137,7 @@ TrainOptions TrainOptions::from(const Config& c) {
 struct Trainer::Impl {
   // Constant after construction.
   Runtime& rt;
-  parallel::DataParallel& dp;
+  parallel::Strategy& strategy;
   data::BatchSource& reader;
   TrainOptions options;
   LossFn loss_fn;
@@ -155,10 +155,10 @@ struct Trainer::Impl {
   double loss_scale = 1;         // LossScaling: the current scale (1 without)
   int64_t scale_good_steps = 0;  // steps since the last overflow or growth
 
-  Impl(Runtime& r, parallel::DataParallel& d, data::BatchSource& rd, TrainOptions o, LossFn l,
+  Impl(Runtime& r, parallel::Strategy& d, data::BatchSource& rd, TrainOptions o, LossFn l,
        Callbacks c)
       : rt(r),
-        dp(d),
+        strategy(d),
         reader(rd),
         options(std::move(o)),
         loss_fn(std::move(l)),
@@ -192,7 +192,7 @@ struct Trainer::Impl {
   // Unset: the optimizer's rate, constant. Set and differing from it: say so, naming both,
   // since the schedule replaces the optimizer's rate at every step.
   void resolve_schedule() {
-    const double optimizer_lr = dp.optimizer().lr();
+    const double optimizer_lr = strategy.optimizer().lr();
     if (!options.schedule) {
       options.schedule = Schedule::constant(optimizer_lr);
     } else if (options.schedule->peak() != optimizer_lr) {
@@ -205,10 +205,10 @@ struct Trainer::Impl {
   }
 
   // What a checkpoint holds, as views of the live state. Built anew for every save: the
-  // DataParallel's "optim" blob (the optimizer's step count) changes every step.
+  // strategy's "optim" blob (the optimizer's step count) changes every step.
   ckpt::State describe_state() {
     ckpt::State state;
-    dp.add_state(state);
+    strategy.add_state(state);
     state.add(
         "rng/cpu", rng_buffer.view({1, -1}),
         ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
@@ -227,7 +227,7 @@ struct Trainer::Impl {
     if (!options.resume || steps.empty()) return false;
     const ckpt::CheckpointInfo& newest = steps.back();
     ckpt::State state;
-    dp.add_state(state);
+    strategy.add_state(state);
     const bool same_world = newest.world_size == rt.world_size();
     at::Tensor rng = at::empty_like(rng_buffer);
     if (same_world) {
@@ -241,7 +241,7 @@ struct Trainer::Impl {
     ckpt::LoadOptions load{.strict = options.resume_strict, .leave_out = {"config"}};
     if (!same_world) load.leave_out.push_back("rng/cpu");
     const int64_t loaded = checkpointer->load(newest.step, state, load);
-    dp.load_state(state);
+    strategy.load_state(state);
     const json trainer = json::parse(state.blobs.at("trainer"));
     step = trainer.at("step").get<int64_t>();
     if (options.loss_scaling.enabled && trainer.contains("loss_scale")) {
@@ -267,11 +267,7 @@ struct Trainer::Impl {
   // train.init_from: the model's weights from the newest committed step there, loaded on every
   // rank (each reads the same file), then the masters re-derived. Strict about the model.
   void init_weights() {
-    std::vector<ckpt::NamedTensor> params;
-    for (const auto& p : dp.module().named_parameters()) params.push_back({p.key(), p.value()});
-    const int64_t loaded =
-        ckpt::load_model_weights(options.init_from, ckpt::Checkpointer::kLatest, params);
-    dp.parameters_changed();
+    const int64_t loaded = strategy.load_weights(options.init_from, ckpt::Checkpointer::kLatest);
     rt.log().info(
         "initialised the model's weights from {} (step {}); optimizer and data start "
         "fresh",
@@ -305,7 +301,7 @@ struct Trainer::Impl {
   }
 
   std::string first_non_finite_parameter() const {
-    const std::string name = dp.first_non_finite_gradient();
+    const std::string name = strategy.first_non_finite_gradient();
     return name.empty() ? "(none on this rank)" : name;
   }
 
@@ -341,11 +337,11 @@ struct Trainer::Impl {
     }
     at::Tensor loss_sum;  // this rank's micro-batch losses, summed in double on their device
     int64_t tokens = 0, samples = 0;
-    dp.zero_grad();
+    strategy.zero_grad();
     {
       auto phase = timer.phase(Phase::kForwardBackward);
       for (int64_t m = 0; m < options.micro_batches; ++m) {
-        dp.set_sync(m + 1 == options.micro_batches);
+        strategy.set_sync(m + 1 == options.micro_batches);
         MicroStep micro = loss_fn(micro_batch(batch, m, options.micro_batches));
         if (options.loss_scaling.enabled) {
           (micro.loss * (loss_scale / static_cast<double>(options.micro_batches))).backward();
@@ -360,13 +356,13 @@ struct Trainer::Impl {
     }
     {
       auto phase = timer.phase(Phase::kCommWait);
-      dp.finish_gradient_sync();
+      strategy.finish_gradient_sync();
     }
     info.loss_scale = loss_scale;
     {
       auto phase = timer.phase(Phase::kOptimizer);
-      if (options.loss_scaling.enabled) dp.scale_gradients(1.0 / loss_scale);
-      info.grad_norm = dp.clip_grad_norm(
+      if (options.loss_scaling.enabled) strategy.scale_gradients(1.0 / loss_scale);
+      info.grad_norm = strategy.clip_grad_norm(
           options.grad_clip > 0 ? options.grad_clip : std::numeric_limits<double>::infinity());
       info.lr = (*options.schedule)(step);
     }
@@ -391,8 +387,8 @@ struct Trainer::Impl {
     }
     if (!info.skipped) {
       auto phase = timer.phase(Phase::kOptimizer);
-      dp.optimizer().set_lr(info.lr);
-      dp.step();
+      strategy.optimizer().set_lr(info.lr);
+      strategy.step();
     }
     // One small all-reduce on the control group (host scalars, never the tensor group): the
     // loss sum, and whether any rank was asked to stop (so every rank stops after the same step).
@@ -460,9 +456,9 @@ struct Trainer::Impl {
   }
 };
 
-Trainer::Trainer(Runtime& rt, parallel::DataParallel& dp, data::BatchSource& reader,
+Trainer::Trainer(Runtime& rt, parallel::Strategy& strategy, data::BatchSource& reader,
                  TrainOptions options, LossFn loss, Callbacks callbacks)
-    : impl_(std::make_unique<Impl>(rt, dp, reader, std::move(options), std::move(loss),
+    : impl_(std::make_unique<Impl>(rt, strategy, reader, std::move(options), std::move(loss),
                                    std::move(callbacks))) {}
 
 Trainer::~Trainer() = default;

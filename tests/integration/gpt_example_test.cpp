@@ -1,4 +1,4 @@
-// The GPT example as a user runs it: parallel.mode from the command line (DDP, ZeRO-1, ZeRO-2
+// The GPT example as a user runs it: parallel.mode from the command line (DDP, ZeRO-1, ZeRO-2, FSDP
 // train alike, bitwise at one rank), and the result is the held-out loss at the last step even
 // when train.steps is not a multiple of train.eval_every.
 #include <gtest/gtest.h>
@@ -44,6 +44,22 @@ class GptExample : public ::testing::Test {
   }
 
   testing::ProgramResult train(const std::string& name, const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = gpt_argv(extra);
+    argv.push_back("--run.dir=" + (dir_ / name).string());
+    return testing::run_program(argv, dir_.path());
+  }
+
+  // The same on `ranks` processes under `loom run` (its run directory becomes run.dir).
+  testing::ProgramResult train_ranks(const std::string& name, int ranks,
+                                     const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {"run", "--run-dir", (dir_ / name).string(),
+                                     "--nproc-per-node", std::to_string(ranks), "--"};
+    const std::vector<std::string> program = gpt_argv(extra);
+    argv.insert(argv.end(), program.begin(), program.end());
+    return run_loom(dir_, argv);
+  }
+
+  std::vector<std::string> gpt_argv(const std::vector<std::string>& extra) const {
     std::vector<std::string> argv = {kGpt,
                                      "--data.train=" + dataset_,
                                      "--data.val=" + dataset_,
@@ -56,10 +72,9 @@ class GptExample : public ::testing::Test {
                                      "--train.eval_every=2",
                                      "--eval.batches=1",
                                      "--sample.tokens=2",
-                                     "--train.log_every=1",
-                                     "--run.dir=" + (dir_ / name).string()};
+                                     "--train.log_every=1"};
     argv.insert(argv.end(), extra.begin(), extra.end());
-    return testing::run_program(argv, dir_.path());
+    return argv;
   }
 
   // Every step's loss rank 0 logged, by step.
@@ -88,7 +103,7 @@ TEST_F(GptExample, EveryParallelModeTrainsTheSameAtOneRank) {
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
   const auto reference = losses("ddp");
   ASSERT_EQ(reference.size(), 5u);
-  for (const std::string mode : {"zero1", "zero2"}) {
+  for (const std::string mode : {"zero1", "zero2", "fsdp"}) {
     const auto run = train(mode, {"--parallel.mode=" + mode, "--parallel.bucket_mb=0.01"});
     ASSERT_EQ(run.exit_code, 0) << run.output;
     EXPECT_EQ(losses(mode), reference) << mode;  // bitwise: one rank, the same arithmetic
@@ -96,6 +111,31 @@ TEST_F(GptExample, EveryParallelModeTrainsTheSameAtOneRank) {
   const auto bad = train("bad", {"--parallel.mode=zero3"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_TRUE(testing::contains(bad.output, "parallel.mode is 'zero3'")) << bad.output;
+}
+
+// Two processes: FSDP evaluates on every rank (each forward gathers from all of them) and
+// trains as DDP does. Per step the losses agree to 1e-5 relative: the same fp32 arithmetic
+// except the order of the gradient sums (all-reduce of buckets against reduce-scatter of
+// units), a few ulps per step over five steps.
+TEST_F(GptExample, FsdpAtTwoRanksTrainsAsDdpDoes) {
+  const auto ddp = train_ranks("ddp2", 2, {});
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  const auto fsdp = train_ranks("fsdp2", 2, {"--parallel.mode=fsdp"});
+  ASSERT_EQ(fsdp.exit_code, 0) << fsdp.output;
+  const auto reference = losses("ddp2");
+  const auto sharded = losses("fsdp2");
+  ASSERT_EQ(reference.size(), 5u);
+  ASSERT_EQ(sharded.size(), 5u);
+  for (const auto& [step, loss] : reference) {
+    EXPECT_NEAR(sharded.at(step), loss, 1e-5 * loss) << "step " << step;
+  }
+  const json a = result("ddp2")["curve"], b = result("fsdp2")["curve"];
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i]["step"], b[i]["step"]);
+    const double loss = a[i]["val_loss"].get<double>();
+    EXPECT_NEAR(b[i]["val_loss"].get<double>(), loss, 1e-5 * loss) << "evaluation " << i;
+  }
 }
 
 TEST_F(GptExample, TheResultIsTheHeldOutLossAfterTheLastStep) {

@@ -45,6 +45,7 @@
 #include "loom/comm/group.h"
 #include "loom/config.h"
 #include "loom/parallel/optim.h"
+#include "loom/parallel/strategy.h"
 #include "loom/parallel/zero.h"
 
 namespace torch::nn {
@@ -83,10 +84,11 @@ struct DataParallelOptions {
   // limit. Gradient bytes per rank are then about padded/W + this many buckets.
   int max_staging_buckets = 2;
 
-  // The parallel.* config keys: parallel.mode (ddp, zero1 or zero2: zero_stage),
-  // parallel.bucket_mb (bucket_bytes in MiB), parallel.find_unused_parameters.
+  // The config keys: parallel.bucket_mb (bucket_bytes in MiB), parallel.find_unused_parameters.
   static ConfigSchema schema();
-  // Reads them from a config built with schema(); bad values are ConfigError naming the key.
+  // Reads them and parallel.mode (ddp, zero1 or zero2: zero_stage) from a config built with
+  // strategy_schema(); bad values are ConfigError naming the key (fsdp too: that is
+  // FullyShardedDataParallel, which make_strategy builds).
   static DataParallelOptions from(const Config& config);
 };
 
@@ -102,7 +104,7 @@ struct SyncStats {
   int64_t peak_gradient_bytes = 0;
 };
 
-class DataParallel {
+class DataParallel final : public Strategy {
  public:
   // Collective. Checks that every rank has the same parameter names, shapes and dtypes
   // (InvalidArgument naming the first mismatch and the rank), then broadcasts rank 0's
@@ -115,16 +117,16 @@ class DataParallel {
   // parameters' and gradients' tensors. Both groups must outlive the DataParallel.
   DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group, comm::Group& control,
                const DataParallelOptions& options = {});
-  ~DataParallel();
+  ~DataParallel() override;
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
-  torch::nn::Module& module() const;
+  torch::nn::Module& module() const override;
   const DataParallelOptions& options() const;
 
   // With sync off, backward only accumulates gradients locally (micro-steps of gradient
   // accumulation); the backward after set_sync(true) reduces the accumulated sum.
-  void set_sync(bool sync);
+  void set_sync(bool sync) override;
   bool sync() const;
   // RAII: sync off for its lifetime, restored after.
   class NoSync {
@@ -144,31 +146,31 @@ class DataParallel {
   // names the bucket and its parameters when a peer did not reduce it (e.g. skipped backward).
   // InvalidArgument when no gradient arrived since the last sync, or a parameter got none
   // (unless find_unused_parameters). A no-op while sync is off.
-  void finish_gradient_sync();
+  void finish_gradient_sync() override;
   const SyncStats& last_sync_stats() const;
 
   // Zeroes every gradient (the bucket buffers). Call before the first micro-step of a step.
-  void zero_grad();
+  void zero_grad() override;
 
   // Scales the reduced gradients so that their global 2-norm is at most max_norm, like
   // torch::nn::utils::clip_grad_norm_ on the unsharded gradients (coefficient
   // max_norm / (norm + 1e-6), clamped to 1); the norm is computed in fp32 from the shards and
   // all-reduced. Returns the norm before clipping. Collective; after finish_gradient_sync.
-  double clip_grad_norm(double max_norm);
+  double clip_grad_norm(double max_norm) override;
 
   // Multiplies the reduced gradients (this rank's slices for kTwo) by `factor`: unscaling after
   // loss scaling (factor = 1 / scale). On the parameters' device, no host read. After
   // finish_gradient_sync, before clip_grad_norm and step.
-  void scale_gradients(double factor);
+  void scale_gradients(double factor) override;
 
   // The optimizer step() uses. Required before step().
-  void set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer);
-  optim::FlatOptimizer& optimizer() const;
+  void set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer) override;
+  optim::FlatOptimizer& optimizer() const override;
   int64_t step_count() const;
 
   // One optimizer step on this rank's slice (kOne/kTwo) or everything (kNone), then the slices
   // are all-gathered into the parameters. Collective for kOne/kTwo. After finish_gradient_sync.
-  void step();
+  void step() override;
 
   // Adds views of this rank's state to `state`: "model/<param>" (replicated parameters),
   // "optim/<param>/<state name>" and "optim/<param>/master" (fp32), each with Sharding::flat
@@ -176,20 +178,22 @@ class DataParallel {
   // and the blob "optim" (optimizer, step). Names do not depend on the world size or the bucket
   // size. Because the tensors are views, a checkpointer may also fill them in place; then call
   // load_state with the same State.
-  void add_state(ckpt::State& state);
+  void add_state(ckpt::State& state) override;
   // Loads what add_state describes from `state` (entries found by name and range, possibly
   // saved at another world size and re-sliced) and re-synchronises the parameters. Collective.
   // InvalidArgument naming a missing entry or a range that does not match.
-  void load_state(const ckpt::State& state);
+  void load_state(const ckpt::State& state) override;
   // Call after writing the module's parameters in place on every rank alike (loading weights,
   // e.g. ckpt::load_model_weights): re-derives the fp32 master weights from them. The
   // optimizer state is left as it is.
   void parameters_changed();
+  // ckpt::load_model_weights into the module's parameters, then parameters_changed().
+  int64_t load_weights(const std::filesystem::path& ckpt_dir, int64_t step) override;
 
   // The first parameter (in bucket order) whose reduced gradient has a NaN or Inf in the part
   // this rank holds (its slice for kTwo, all of it otherwise); empty when none. After
   // finish_gradient_sync; reads the gradients back to the host, so for error messages only.
-  std::string first_non_finite_gradient() const;
+  std::string first_non_finite_gradient() const override;
 
   // Bytes of optimizer state plus master weights held by this rank.
   int64_t optimizer_state_bytes() const;

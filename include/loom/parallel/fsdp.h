@@ -48,7 +48,9 @@
 #include <vector>
 
 #include "loom/comm/group.h"
+#include "loom/config.h"
 #include "loom/parallel/optim.h"
+#include "loom/parallel/strategy.h"
 
 namespace loom::ckpt {
 struct State;
@@ -145,6 +147,12 @@ struct FsdpOptions {
   std::optional<at::ScalarType> reduce_dtype;
   // Deadline of every wait: construction's checks, gathers, reduce-scatters, clip, step, load.
   std::chrono::milliseconds timeout = comm::kDefaultCollectiveTimeout;
+
+  // The config keys: parallel.reshard_after_forward, parallel.reduce_dtype ("" for the
+  // parameters' dtype, or fp32).
+  static ConfigSchema schema();
+  // Reads them; a bad value is ConfigError naming the key.
+  static FsdpOptions from(const Config& config);
 };
 
 // Bytes of training state this rank holds, counted from the live storages FSDP allocated.
@@ -164,7 +172,7 @@ struct FsdpStats {
   int64_t reduce_scatters = 0;              // all gradient reduce-scatters
 };
 
-class FullyShardedDataParallel final : private detail::FsdpUnitHooks {
+class FullyShardedDataParallel final : public Strategy, private detail::FsdpUnitHooks {
  public:
   // Collective. Finds the FsdpUnits in `module` (InvalidArgument naming the module or parameter
   // when units overlap, a unit appears twice, a module is wrapped twice, or a parameter is in
@@ -179,13 +187,13 @@ class FullyShardedDataParallel final : private detail::FsdpUnitHooks {
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
 
-  torch::nn::Module& module() const;
+  torch::nn::Module& module() const override;
   const FsdpOptions& options() const;
 
   // With sync off, backward keeps each unit's unsharded gradient and accumulates into it
   // (micro-steps of gradient accumulation, as PyTorch's FSDP no_sync); the backward after
   // set_sync(true) reduce-scatters the accumulated sum.
-  void set_sync(bool sync);
+  void set_sync(bool sync) override;
   bool sync() const;
   class NoSync {
    public:
@@ -204,18 +212,22 @@ class FullyShardedDataParallel final : private detail::FsdpUnitHooks {
   // and adds it into the unit's gradient shard. Timeout/CommError name the unit and its
   // parameters; InvalidArgument when no gradient arrived, or a parameter got none. A no-op while
   // sync is off.
-  void finish_gradient_sync();
+  void finish_gradient_sync() override;
   // Zeroes the gradient shards and drops gradients accumulated under no_sync.
-  void zero_grad();
+  void zero_grad() override;
   // As DataParallel::clip_grad_norm (torch::nn::utils::clip_grad_norm_'s formula) over the
   // gradient shards. Returns the norm before clipping. Collective; after finish_gradient_sync.
-  double clip_grad_norm(double max_norm);
+  double clip_grad_norm(double max_norm) override;
+  // Multiplies the gradient shards by `factor` (unscaling after loss scaling).
+  void scale_gradients(double factor) override;
+  // The first parameter whose part of a gradient shard has a NaN or Inf; empty when none.
+  std::string first_non_finite_gradient() const override;
 
-  void set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer);
-  optim::FlatOptimizer& optimizer() const;
+  void set_optimizer(std::unique_ptr<optim::FlatOptimizer> optimizer) override;
+  optim::FlatOptimizer& optimizer() const override;
   int64_t step_count() const;
   // One optimizer step on this rank's shards; the root unit is gathered again. Collective.
-  void step();
+  void step() override;
 
   // The full parameters by name (the model's names), gathered from the shards. Collective.
   std::map<std::string, at::Tensor> gather_full_parameters();
@@ -226,10 +238,14 @@ class FullyShardedDataParallel final : private detail::FsdpUnitHooks {
   // ({"optimizer", "step", "mode": "fsdp"}). The checkpointer stores every piece as an element
   // range of the global tensor, so the state loads into DataParallel at any stage and world size
   // (its replicated "model/" entries are read as the whole range) and vice versa.
-  void add_state(ckpt::State& state);
+  void add_state(ckpt::State& state) override;
   // Loads what add_state describes (pieces found by name and range) and refreshes the gathered
   // root. Collective. InvalidArgument naming a missing entry or a range that does not match.
-  void load_state(const ckpt::State& state);
+  void load_state(const ckpt::State& state) override;
+  // Gathers the full parameters, fills them from the checkpoint's "model/" tensors
+  // (ckpt::load_model_weights, strict), and writes this rank's slices into the shards and the
+  // fp32 masters. Collective.
+  int64_t load_weights(const std::filesystem::path& ckpt_dir, int64_t step) override;
 
   int64_t optimizer_state_bytes() const;
   FsdpMemory memory() const;

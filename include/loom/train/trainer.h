@@ -2,9 +2,9 @@
 //
 //   step:  batch = reader.next()                             (data wait)
 //          split into micro-batches; forward/backward each   (gradient sync overlaps backward)
-//          dp.finish_gradient_sync()                         (communication wait)
+//          strategy.finish_gradient_sync()                   (communication wait)
 //          clip to the global norm; lr = schedule(step)
-//          dp.step()                                         (optimizer; ZeRO all-gathers)
+//          strategy.step()                                   (optimizer; ZeRO all-gathers)
 //          metrics (metrics.jsonl, progress line), eval every N steps,
 //          an async checkpoint every N steps whose copy overlaps the next step's compute.
 //
@@ -32,7 +32,7 @@ class BatchSource;
 struct Batch;
 }  // namespace data
 namespace parallel {
-class DataParallel;
+class Strategy;
 }
 }  // namespace loom
 
@@ -130,15 +130,15 @@ struct FitResult {
   double last_loss = 0;
 };
 
-// Not copyable. Every rank builds one with the same options and calls fit(). The Runtime,
-// DataParallel and the batch source (a data::Reader or data::Mixture) must outlive it. fit() uses
-// rt.store() (checkpoint agreement) and rt.control_group() (the per-step loss and stop flag, CPU
-// tensors); it sends nothing to rt.world_group() itself: only the DataParallel's buckets and
-// gathers travel there.
+// Not copyable. Every rank builds one with the same options and calls fit(). The Runtime, the
+// strategy (DataParallel or FullyShardedDataParallel, parallel/strategy.h) and the batch source (a
+// data::Reader or data::Mixture) must outlive it. fit() uses rt.store() (checkpoint agreement) and
+// rt.control_group() (the per-step loss and stop flag, CPU tensors); it sends nothing to
+// rt.world_group() itself: only the strategy's gradients and parameters travel there.
 class Trainer {
  public:
-  Trainer(Runtime& rt, parallel::DataParallel& dp, data::BatchSource& reader, TrainOptions options,
-          LossFn loss, Callbacks callbacks = {});
+  Trainer(Runtime& rt, parallel::Strategy& strategy, data::BatchSource& reader,
+          TrainOptions options, LossFn loss, Callbacks callbacks = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
