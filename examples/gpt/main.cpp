@@ -108,6 +108,11 @@ void train(loom::Runtime& rt) {
   // the embeddings and final LayerNorm in the root unit) with Loom's AdamW (betas 0.9/0.95,
   // GPT-2/nanoGPT practice). Its weight decay applies to every parameter, LayerNorms and biases
   // included.
+  // train.activation_checkpointing: each block's activations recomputed in backward (inside its
+  // FSDP unit under fsdp).
+  if (cfg.get<bool>("train.activation_checkpointing")) {
+    loom::parallel::checkpoint_modules_of_type<gpt::BlockImpl>(*model, model->blocks);
+  }
   const loom::parallel::Mode mode = loom::parallel::mode_from(cfg);
   if (mode == loom::parallel::Mode::kFsdp) {
     loom::parallel::wrap_modules<torch::nn::Module>(model->blocks);

@@ -21,6 +21,7 @@
 #include "loom/metrics/logger.h"
 #include "loom/metrics/memory.h"
 #include "loom/metrics/step_timer.h"
+#include "loom/parallel/activation_checkpoint.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/parallel/fsdp.h"
 #include "loom/parallel/optim.h"

@@ -1,6 +1,7 @@
-// The GPT example as a user runs it: parallel.mode from the command line (DDP, ZeRO-1, ZeRO-2, FSDP
-// train alike, bitwise at one rank), and the result is the held-out loss at the last step even
-// when train.steps is not a multiple of train.eval_every.
+// The GPT example as a user runs it: parallel.mode from the command line (DDP, ZeRO-1, ZeRO-2
+// and FSDP train alike, bitwise at one rank, with activation checkpointing too; FSDP at two
+// ranks as DDP does), and the result is the held-out loss at the last step even when
+// train.steps is not a multiple of train.eval_every.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -52,8 +53,9 @@ class GptExample : public ::testing::Test {
   // The same on `ranks` processes under `loom run` (its run directory becomes run.dir).
   testing::ProgramResult train_ranks(const std::string& name, int ranks,
                                      const std::vector<std::string>& extra) {
-    std::vector<std::string> argv = {"run", "--run-dir", (dir_ / name).string(),
-                                     "--nproc-per-node", std::to_string(ranks), "--"};
+    std::vector<std::string> argv = {
+        "run", "--run-dir", (dir_ / name).string(), "--nproc-per-node", std::to_string(ranks),
+        "--"};
     const std::vector<std::string> program = gpt_argv(extra);
     argv.insert(argv.end(), program.begin(), program.end());
     return run_loom(dir_, argv);
@@ -108,19 +110,28 @@ TEST_F(GptExample, EveryParallelModeTrainsTheSameAtOneRank) {
     ASSERT_EQ(run.exit_code, 0) << run.output;
     EXPECT_EQ(losses(mode), reference) << mode;  // bitwise: one rank, the same arithmetic
   }
+  // Activation checkpointing recomputes each block in backward: the same gradients, bitwise.
+  for (const std::string mode : {"ddp", "fsdp"}) {
+    const std::string name = mode + "_ac";
+    const auto run =
+        train(name, {"--parallel.mode=" + mode, "--train.activation_checkpointing=true"});
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_EQ(losses(name), reference) << name;
+  }
   const auto bad = train("bad", {"--parallel.mode=zero3"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_TRUE(testing::contains(bad.output, "parallel.mode is 'zero3'")) << bad.output;
 }
 
-// Two processes: FSDP evaluates on every rank (each forward gathers from all of them) and
-// trains as DDP does. Per step the losses agree to 1e-5 relative: the same fp32 arithmetic
-// except the order of the gradient sums (all-reduce of buckets against reduce-scatter of
-// units), a few ulps per step over five steps.
+// Two processes: FSDP with activation checkpointing evaluates on every rank (each forward gathers
+// from all of them) and trains as DDP does. Per step the losses agree to 1e-5 relative: the same
+// fp32 arithmetic except the order of the gradient sums (all-reduce of buckets against
+// reduce-scatter of units), a few ulps per step over five steps.
 TEST_F(GptExample, FsdpAtTwoRanksTrainsAsDdpDoes) {
   const auto ddp = train_ranks("ddp2", 2, {});
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
-  const auto fsdp = train_ranks("fsdp2", 2, {"--parallel.mode=fsdp"});
+  const auto fsdp =
+      train_ranks("fsdp2", 2, {"--parallel.mode=fsdp", "--train.activation_checkpointing=true"});
   ASSERT_EQ(fsdp.exit_code, 0) << fsdp.output;
   const auto reference = losses("ddp2");
   const auto sharded = losses("fsdp2");

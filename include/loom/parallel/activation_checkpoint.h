@@ -179,12 +179,12 @@ int checkpoint_modules_of_type(torch::nn::Module& parent, torch::nn::Sequential&
   const auto names = sequential->named_children();  // in element order
   for (size_t i = 0; i < sequential->size(); ++i) {
     const torch::nn::AnyModule& element = *(sequential->begin() + static_cast<std::ptrdiff_t>(i));
-    const std::string& name = names[i].key();
+    std::string name = names[i].key();  // by value: a const& picks Sequential's private push_back
     if (auto match = std::dynamic_pointer_cast<ModuleImpl>(element.ptr())) {
-      rebuilt->push_back(name, ActivationCheckpoint(std::move(match)));
+      rebuilt->push_back(std::move(name), ActivationCheckpoint(std::move(match)));
       ++wrapped;
     } else {
-      rebuilt->push_back(name, element);
+      rebuilt->push_back(std::move(name), element);
     }
   }
   detail::replace_child(parent, *sequential, rebuilt.ptr());
