@@ -28,8 +28,19 @@ namespace loom::parallel {
 
 // --- FsdpUnit and the wrapping policy ----------------------------------------------------------
 
-FsdpUnitImpl::FsdpUnitImpl(torch::nn::AnyModule module) : wrapped_(std::move(module)) {
+namespace {
+
+void check_floating(const std::optional<at::ScalarType>& dtype, const char* what) {
+  LOOM_CHECK(!dtype || at::isFloatingType(*dtype), InvalidArgument, what,
+             " must be a floating-point dtype, got ", c10::toString(dtype.value_or(at::kFloat)));
+}
+
+}  // namespace
+
+FsdpUnitImpl::FsdpUnitImpl(torch::nn::AnyModule module, const FsdpUnitOptions& options)
+    : wrapped_(std::move(module)) {
   LOOM_CHECK(!wrapped_.is_empty(), InvalidArgument, "FsdpUnit: the wrapped module is empty");
+  set_options(options);
   const std::shared_ptr<torch::nn::Module> inner = wrapped_.ptr();
   LOOM_CHECK(dynamic_cast<FsdpUnitImpl*>(inner.get()) == nullptr, InvalidArgument,
              "FsdpUnit: the module is already an FsdpUnit; a module can be in one unit only");
@@ -43,8 +54,14 @@ FsdpUnitImpl::FsdpUnitImpl(torch::nn::AnyModule module) : wrapped_(std::move(mod
 
 at::Tensor FsdpUnitImpl::forward(const at::Tensor& input) {
   if (hooks_ == nullptr) return wrapped_.forward(input);
-  hooks_->before_forward(index_);
-  return hooks_->after_forward(index_, wrapped_.forward(input));
+  const at::Tensor cast = hooks_->before_forward(index_, input);
+  return hooks_->after_forward(index_, wrapped_.forward(cast));
+}
+
+void FsdpUnitImpl::set_options(const FsdpUnitOptions& options) {
+  check_floating(options.param_dtype, "FsdpUnit: param_dtype");
+  check_floating(options.reduce_dtype, "FsdpUnit: reduce_dtype");
+  options_ = options;
 }
 
 void FsdpUnitImpl::train(bool on) {
@@ -169,26 +186,30 @@ struct Param {
 enum class Gathered { kNo, kInFlight, kYes };
 
 struct Unit {
-  std::string name;                // module path, or kRootName
-  FsdpUnitImpl* module = nullptr;  // null for the root unit
-  std::vector<int> params;         // indices into Impl::params, in registration order
-  at::ScalarType dtype = at::kFloat;
-  int64_t numel = 0;   // real elements
-  int64_t padded = 0;  // numel rounded up to a multiple of the world size
+  std::string name;                           // module path, or kRootName
+  FsdpUnitImpl* module = nullptr;             // null for the root unit
+  std::vector<int> params;                    // indices into Impl::params, in registration order
+  at::ScalarType dtype = at::kFloat;          // the parameters' (and the shard's) dtype
+  at::ScalarType compute_dtype = at::kFloat;  // of the full buffer: param_dtype, or dtype
+  bool mixed = false;                         // a param_dtype policy applies to this unit
+  int64_t numel = 0;                          // real elements
+  int64_t padded = 0;                         // numel rounded up to a multiple of the world size
   int64_t shard_begin = 0;
   int64_t shard_end = 0;
-  at::Tensor shard;                        // this rank's slice of the parameters (parameter dtype)
-  at::Tensor master;                       // fp32 copy of the shard (non-fp32 with master weights)
-  std::vector<at::Tensor> state;           // optimizer state for the shard, fp32
-  at::Tensor grad_shard;                   // the reduced gradient of the shard (grad_dtype)
-  at::ScalarType grad_dtype = at::kFloat;  // options.reduce_dtype, or the parameters' dtype
-  bool grad_shard_set = false;             // false: zero since zero_grad
+  at::Tensor shard;               // this rank's slice of the parameters (parameter dtype)
+  at::Tensor master;              // fp32 copy of the shard (non-fp32 with master weights)
+  std::vector<at::Tensor> state;  // optimizer state for the shard, fp32
+  at::Tensor grad_shard;          // the reduced gradient of the shard (grad_dtype)
+  at::ScalarType reduce_dtype = at::kFloat;  // of the reduce-scatter: reduce_dtype, or compute
+  at::ScalarType grad_dtype = at::kFloat;    // of grad_shard: fp32 when mixed, else reduce_dtype
+  bool grad_shard_set = false;               // false: zero since zero_grad
   // The full (padded) parameters. The tensor lives as long as the unit; its storage is
   // allocated only while gathered (autograd's saved views of the parameters point into it).
   at::Tensor full;
   Gathered gathered = Gathered::kNo;
   bool gathered_by_prefetch = false;
   comm::WorkPtr gather_work;
+  at::Tensor gather_input;  // the shard in compute_dtype, kept alive while the gather runs
   // Backward.
   at::Tensor full_grad;          // unsharded gradients; the parameters' .grad() are views
   bool in_backward = false;      // between its first pre-backward and its last gradient
@@ -456,17 +477,22 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       const int64_t chunk = unit.padded / world;
       unit.shard_begin = rank * chunk;
       unit.shard_end = (rank + 1) * chunk;
+      set_policy(unit);
       MemoryCategoryScope parameters(MemoryCategory::kParameters);
-      unit.full = at::zeros({unit.padded}, on_device(unit.dtype));
-      for (int i : unit.params) full_view(unit, params[i]).copy_(params[i].tensor);
-      group.broadcast(unit.full, {.root = 0, .timeout = options.timeout})
-          ->wait(remaining(deadline));
-      unit.shard = unit.full.narrow(0, unit.shard_begin, unit.shard_size()).clone();
+      at::Tensor flat = at::zeros({unit.padded}, on_device(unit.dtype));
+      for (int i : unit.params) {
+        flat.narrow(0, params[i].offset, params[i].numel)
+            .view(params[i].shape)
+            .copy_(params[i].tensor);
+      }
+      group.broadcast(flat, {.root = 0, .timeout = options.timeout})->wait(remaining(deadline));
+      unit.shard = flat.narrow(0, unit.shard_begin, unit.shard_size()).clone();
+      unit.full = unit.compute_dtype == unit.dtype ? flat : flat.to(unit.compute_dtype);
+      flat = at::Tensor();
       if (unit.dtype != at::kFloat && options.master_weights) {
         MemoryCategoryScope state(MemoryCategory::kOptimizerState);
         unit.master = unit.shard.to(at::kFloat);
       }
-      unit.grad_dtype = options.reduce_dtype.value_or(unit.dtype);
       {
         MemoryCategoryScope gradients(MemoryCategory::kGradients);
         unit.grad_shard = at::zeros({unit.shard_size()}, on_device(unit.grad_dtype));
@@ -486,6 +512,23 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
           ->wait(remaining(deadline));
       if (!contiguous.is_same(buffer)) buffer.copy_(contiguous);
     }
+  }
+
+  // The unit's dtypes: its FsdpUnitOptions field by field over FsdpOptions.
+  void set_policy(Unit& unit) const {
+    const FsdpUnitOptions own = unit.root() ? FsdpUnitOptions{} : unit.module->options();
+    const std::optional<at::ScalarType> param_dtype =
+        own.param_dtype ? own.param_dtype : options.param_dtype;
+    unit.compute_dtype = param_dtype.value_or(unit.dtype);
+    unit.mixed = param_dtype.has_value();
+    if (own.reduce_dtype) {
+      unit.reduce_dtype = *own.reduce_dtype;
+    } else if (own.param_dtype) {
+      unit.reduce_dtype = *own.param_dtype;
+    } else {
+      unit.reduce_dtype = options.reduce_dtype.value_or(unit.compute_dtype);
+    }
+    unit.grad_dtype = unit.mixed ? at::kFloat : unit.reduce_dtype;
   }
 
   void install_hooks() {
@@ -534,7 +577,9 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     Unit& unit = units[u];
     if (unit.gathered != Gathered::kNo) return;
     allocate_full_storage(unit);
-    unit.gather_work = group.all_gather(unit.full, unit.shard, {options.timeout});
+    unit.gather_input =
+        unit.compute_dtype == unit.dtype ? unit.shard : unit.shard.to(unit.compute_dtype);
+    unit.gather_work = group.all_gather(unit.full, unit.gather_input, {options.timeout});
     unit.gathered = Gathered::kInFlight;
     unit.gathered_by_prefetch = prefetch;
     ++stats.all_gathers;
@@ -556,6 +601,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
                                              " for ", why, " failed: ", e.what()));
       }
       unit.gather_work.reset();
+      unit.gather_input = at::Tensor();
       unit.gathered = Gathered::kYes;
     }
     install_views(unit);
@@ -565,7 +611,10 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     Unit& unit = units[u];
     if (unit.gathered == Gathered::kNo) return;
     if (unit.gathered == Gathered::kInFlight) wait_gather(u, "freeing");
-    for (int i : unit.params) params[i].tensor.set_data(at::empty({0}, on_device(unit.dtype)));
+    // In the compute dtype: set_data to another dtype would drop the gradient accumulators.
+    for (int i : unit.params) {
+      params[i].tensor.set_data(at::empty({0}, on_device(unit.compute_dtype)));
+    }
     release_full_storage(unit);
     unit.gathered = Gathered::kNo;
     unit.gathered_by_prefetch = false;
@@ -573,7 +622,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
 
   // --- forward and backward -------------------------------------------------------------------
 
-  void before_forward(int u) {
+  at::Tensor before_forward(int u, const at::Tensor& input) {
     Unit& unit = units[u];
     if (unit.gathered != Gathered::kNo && unit.gathered_by_prefetch) ++stats.forward_prefetched;
     launch_gather(u, /*prefetch=*/false);
@@ -582,6 +631,10 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       launch_gather(next, /*prefetch=*/true);
     }
     wait_gather(u, "forward");
+    if (unit.mixed && input.is_floating_point() && input.scalar_type() != unit.compute_dtype) {
+      return input.to(unit.compute_dtype);
+    }
+    return input;
   }
 
   at::Tensor after_forward(int u, at::Tensor output) {
@@ -619,7 +672,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     unit.pending = static_cast<int>(unit.params.size());
     if (!unit.full_grad.defined()) {
       MemoryCategoryScope gradients(MemoryCategory::kGradients);
-      unit.full_grad = at::zeros({unit.padded}, on_device(unit.dtype));
+      unit.full_grad = at::zeros({unit.padded}, on_device(unit.compute_dtype));
       gradient_storages.push_back(unit.full_grad.storage().getWeakStorageImpl());
       note_memory();
     }
@@ -692,15 +745,15 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     Unit& unit = units[u];
     MemoryCategoryScope gradients(MemoryCategory::kGradients);
     for (int i : unit.params) params[i].tensor.mutable_grad() = at::Tensor();
-    if (unit.full_grad.scalar_type() == unit.grad_dtype) {
+    if (unit.full_grad.scalar_type() == unit.reduce_dtype) {
       unit.reduce_input = std::move(unit.full_grad);
     } else {  // a reduce dtype of its own: converted once, then the unit's buffer is freed
-      unit.reduce_input = unit.full_grad.to(unit.grad_dtype);
+      unit.reduce_input = unit.full_grad.to(unit.reduce_dtype);
       gradient_storages.push_back(unit.reduce_input.storage().getWeakStorageImpl());
       note_memory();
     }
     unit.full_grad = at::Tensor();
-    unit.reduce_output = at::empty({unit.shard_size()}, on_device(unit.grad_dtype));
+    unit.reduce_output = at::empty({unit.shard_size()}, on_device(unit.reduce_dtype));
     note_memory();
     unit.reduce_work = group.reduce_scatter(unit.reduce_output, unit.reduce_input,
                                             {comm::ReduceOp::kAvg, options.timeout});
@@ -1009,6 +1062,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     FsdpMemory m;
     for (const Unit& unit : units) {
       m.parameter_bytes += bytes_of(unit.shard);
+      if (!unit.gather_input.is_same(unit.shard)) m.parameter_bytes += bytes_of(unit.gather_input);
       m.parameter_bytes += static_cast<int64_t>(unit.full.storage().nbytes());
       m.gradient_bytes += bytes_of(unit.grad_shard) + bytes_of(unit.reduce_output);
       for (const at::Tensor& t : unit.state) m.optimizer_bytes += bytes_of(t);
@@ -1036,9 +1090,8 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
 FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                    comm::Group& group, const FsdpOptions& options) {
   LOOM_CHECK(module != nullptr, InvalidArgument, "FSDP: module is null");
-  LOOM_CHECK(!options.reduce_dtype || at::isFloatingType(*options.reduce_dtype), InvalidArgument,
-             "FSDP: reduce_dtype must be a floating-point dtype, got ",
-             c10::toString(options.reduce_dtype.value_or(at::kFloat)));
+  check_floating(options.param_dtype, "FSDP: param_dtype");
+  check_floating(options.reduce_dtype, "FSDP: reduce_dtype");
   impl_ = std::make_unique<Impl>(std::move(module), group, options);
   impl_->find_units();
   impl_->collect_parameters();
@@ -1072,7 +1125,9 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
   }
 }
 
-void FullyShardedDataParallel::before_forward(int unit) { impl_->before_forward(unit); }
+at::Tensor FullyShardedDataParallel::before_forward(int unit, const at::Tensor& input) {
+  return impl_->before_forward(unit, input);
+}
 at::Tensor FullyShardedDataParallel::after_forward(int unit, at::Tensor output) {
   return impl_->after_forward(unit, std::move(output));
 }

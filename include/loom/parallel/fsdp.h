@@ -63,10 +63,21 @@ namespace detail {
 class FsdpUnitHooks {
  public:
   virtual ~FsdpUnitHooks() = default;
-  virtual void before_forward(int unit) = 0;
+  // Gathers the unit's parameters; returns the input as the unit computes on it.
+  virtual at::Tensor before_forward(int unit, const at::Tensor& input) = 0;
   virtual at::Tensor after_forward(int unit, at::Tensor output) = 0;
 };
 }  // namespace detail
+
+// A unit's own mixed-precision policy; a field that is set wins over FsdpOptions' for this unit.
+// Read when the FullyShardedDataParallel is built.
+struct FsdpUnitOptions {
+  // The dtype the unit's parameters are gathered in and computed in (FsdpOptions::param_dtype).
+  std::optional<at::ScalarType> param_dtype;
+  // The dtype its gradients are reduce-scattered in (FsdpOptions::reduce_dtype). Unset: when
+  // this unit sets param_dtype, that dtype; otherwise FsdpOptions' policy.
+  std::optional<at::ScalarType> reduce_dtype;
+};
 
 // Marks one FSDP unit: wraps a module with `Tensor forward(Tensor)`. The wrapped module's
 // children, parameters and buffers are registered directly on the unit, so parameter names are
@@ -75,14 +86,22 @@ class FsdpUnitHooks {
 // that is destroyed) forward() is the wrapped module's forward.
 class FsdpUnitImpl : public torch::nn::Module {
  public:
-  explicit FsdpUnitImpl(torch::nn::AnyModule module);
+  // InvalidArgument when a dtype in `options` is not a floating-point type.
+  explicit FsdpUnitImpl(torch::nn::AnyModule module, const FsdpUnitOptions& options = {});
   template <typename M>
-  explicit FsdpUnitImpl(std::shared_ptr<M> module) : FsdpUnitImpl(torch::nn::AnyModule(module)) {}
+  explicit FsdpUnitImpl(std::shared_ptr<M> module, const FsdpUnitOptions& options = {})
+      : FsdpUnitImpl(torch::nn::AnyModule(module), options) {}
   template <typename M>
-  explicit FsdpUnitImpl(const torch::nn::ModuleHolder<M>& module)
-      : FsdpUnitImpl(torch::nn::AnyModule(module.ptr())) {}
+  explicit FsdpUnitImpl(const torch::nn::ModuleHolder<M>& module,
+                        const FsdpUnitOptions& options = {})
+      : FsdpUnitImpl(torch::nn::AnyModule(module.ptr()), options) {}
 
+  // Under a param_dtype policy a floating-point input is first cast to the unit's compute dtype.
   at::Tensor forward(const at::Tensor& input);
+  // The unit's policy; set it before building the FullyShardedDataParallel (e.g. on a unit made
+  // by wrap_modules). InvalidArgument as the constructor.
+  void set_options(const FsdpUnitOptions& options);
+  const FsdpUnitOptions& options() const { return options_; }
   // The wrapped module.
   std::shared_ptr<torch::nn::Module> wrapped() const { return wrapped_.ptr(); }
   // Also switches the wrapped module itself (its children are the unit's children).
@@ -92,6 +111,7 @@ class FsdpUnitImpl : public torch::nn::Module {
  private:
   friend class FullyShardedDataParallel;
   torch::nn::AnyModule wrapped_;
+  FsdpUnitOptions options_;
   detail::FsdpUnitHooks* hooks_ = nullptr;  // set while a FullyShardedDataParallel is attached
   int index_ = -1;
 };
@@ -139,11 +159,21 @@ struct FsdpOptions {
   // Non-fp32 (bf16) parameters get fp32 master shards that the optimizer updates; the
   // parameter shards are rounded from them. Optimizer state is always fp32.
   bool master_weights = true;
-  // The dtype gradients are reduce-scattered in and gradient shards are kept in; unset: the
-  // parameters' dtype (bf16 gradients are then summed in fp32 inside the group and rounded to
-  // bf16 once, as DataParallel does). at::kFloat with bf16 parameters: each unit's unsharded
-  // bf16 gradient is converted to fp32 before the reduce-scatter (one rounding less, twice the
-  // bytes on the wire).
+  // The mixed-precision policy (PyTorch FSDP's MixedPrecision(param_dtype)): the compute dtype,
+  // e.g. at::kBFloat16 for an fp32 model. The shards keep the parameters' dtype and are the
+  // master copy (no separate master shard); before a unit's forward and backward its shard is
+  // cast and gathered into a param_dtype buffer, so the module's parameters are param_dtype
+  // tensors (empty outside the unit's forward and backward; the root's stay gathered). Gradients
+  // arrive in param_dtype, are reduce-scattered in reduce_dtype (unset: param_dtype) and added
+  // into fp32 gradient shards, which clipping and the optimizer read. A unit casts a
+  // floating-point input to its compute dtype; frozen parameters and buffers keep their dtype.
+  // FsdpUnitOptions override it per unit. Unset: compute in the parameters' dtype.
+  std::optional<at::ScalarType> param_dtype;
+  // The dtype gradients are reduce-scattered in and (without param_dtype) gradient shards are
+  // kept in; unset: the compute dtype (bf16 gradients are then summed in fp32 inside the group
+  // and rounded to bf16 once, as DataParallel does). at::kFloat with bf16 parameters: each
+  // unit's unsharded bf16 gradient is converted to fp32 before the reduce-scatter (one rounding
+  // less, twice the bytes on the wire).
   std::optional<at::ScalarType> reduce_dtype;
   // Deadline of every wait: construction's checks, gathers, reduce-scatters, clip, step, load.
   std::chrono::milliseconds timeout = comm::kDefaultCollectiveTimeout;
@@ -174,9 +204,10 @@ struct FsdpStats {
 
 class FullyShardedDataParallel final : public Strategy, private detail::FsdpUnitHooks {
  public:
-  // Collective. Finds the FsdpUnits in `module` (InvalidArgument naming the module or parameter
-  // when units overlap, a unit appears twice, a module is wrapped twice, or a parameter is in
-  // two units), checks that every rank has the same parameters and units (InvalidArgument
+  // Collective. InvalidArgument naming the dtype when param_dtype or reduce_dtype is not a
+  // floating-point type. Finds the FsdpUnits in `module` (InvalidArgument naming the module or
+  // parameter when units overlap, a unit appears twice, a module is wrapped twice, or a parameter
+  // is in two units), checks that every rank has the same parameters and units (InvalidArgument
   // naming the first mismatch and the rank), broadcasts rank 0's parameters and buffers, and
   // shards the parameters. Parameters with requires_grad false are left as they are.
   FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group,
@@ -261,7 +292,7 @@ class FullyShardedDataParallel final : public Strategy, private detail::FsdpUnit
   std::vector<std::string> unit_parameters(int unit) const;
 
  private:
-  void before_forward(int unit) override;
+  at::Tensor before_forward(int unit, const at::Tensor& input) override;
   at::Tensor after_forward(int unit, at::Tensor output) override;
 
   struct Impl;

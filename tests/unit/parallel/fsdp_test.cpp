@@ -1,6 +1,7 @@
 // FullyShardedDataParallel with ranks as threads: training against single-process torch::optim
-// for W = 1..4 (bitwise at W = 1), prefetch, memory against DataParallel, checkpoints across
-// world sizes and into DataParallel, and bad input (overlapping units, mismatched models).
+// for W = 1..4 (bitwise at W = 1), the mixed-precision policy (whole model and per unit),
+// prefetch, memory against DataParallel, checkpoints across world sizes, policies and into
+// DataParallel, and bad input (overlapping units, mismatched models, non-floating dtypes).
 
 #include "loom/parallel/fsdp.h"
 
@@ -90,18 +91,33 @@ at::Tensor loss_of(BlockMlp& model, const at::Tensor& x, const at::Tensor& y,
   return (model.forward(x.to(dtype)) - y.to(dtype)).square().mean();
 }
 
+struct Reference {
+  bool reduce_fp32 = false;  // the bf16 gradients are averaged in fp32, not rounded
+  bool mixed = false;        // the param_dtype = bf16 policy on the fp32 model
+  bool per_rank = true;      // bf16: each rank's gradient rounded, then averaged; else one backward
+};
+
 // equivalence.h's reference_training on the block model: torch::optim on the concatenated
 // batch; bf16 as the ranks compute it (per-rank bf16 gradients averaged in fp32, rounded once).
 // reduce_fp32: the bf16 gradients are averaged in fp32 and not rounded (FsdpOptions::reduce_dtype).
+// mixed: the masters are the fp32 model's parameters, forward and backward run on their bf16
+// copies (rounded from the masters every step), and the masters are returned. !per_rank: the
+// bf16 gradient of the concatenated batch in one backward, converted to fp32 (no accumulation).
 Parameters reference_training(int world, const Scenario& s, const Shape& shape,
-                              bool reduce_fp32 = false) {
-  const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
+                              const Reference& how = {}) {
+  const bool bf16 = s.bf16 || how.mixed;
+  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
   auto model = make_model(shape, dtype, /*wrap=*/false);
   std::vector<at::Tensor> params = model->parameters();
   std::vector<at::Tensor> masters;
-  for (const at::Tensor& p : params)
-    masters.push_back(p.detach().to(at::kFloat).requires_grad_(true));
-  std::vector<at::Tensor>& stepped = s.bf16 ? masters : params;
+  if (how.mixed) {
+    for (const at::Tensor& p : make_model(shape, at::kFloat, /*wrap=*/false)->parameters())
+      masters.push_back(p.detach().clone().requires_grad_(true));
+  } else {
+    for (const at::Tensor& p : params)
+      masters.push_back(p.detach().to(at::kFloat).requires_grad_(true));
+  }
+  std::vector<at::Tensor>& stepped = bf16 ? masters : params;
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (s.adamw) {
     const auto o = adamw_options();
@@ -114,11 +130,22 @@ Parameters reference_training(int world, const Scenario& s, const Shape& shape,
   }
   for (int step = 0; step < s.steps; ++step) {
     const auto [x, y] = global_batch(step, world, s);
-    if (!s.bf16) {
+    if (!bf16) {
       for (at::Tensor& p : params) p.mutable_grad() = at::Tensor();
       loss_of(*model, x, y, dtype).backward();
       if (s.clip > 0) torch::nn::utils::clip_grad_norm_(params, s.clip);
       opt->step();
+      continue;
+    }
+    if (!how.per_rank) {
+      for (at::Tensor& p : params) p.mutable_grad() = at::Tensor();
+      loss_of(*model, x, y, dtype).backward();
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i)
+        masters[i].mutable_grad() = params[i].grad().to(at::kFloat);
+      if (s.clip > 0) torch::nn::utils::clip_grad_norm_(masters, s.clip);
+      opt->step();
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
       continue;
     }
     std::vector<at::Tensor> sums;
@@ -134,15 +161,24 @@ Parameters reference_training(int world, const Scenario& s, const Shape& shape,
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       masters[i].mutable_grad() =
-          reduce_fp32 ? sums[i] / world : (sums[i] / world).to(at::kBFloat16).to(at::kFloat);
+          how.reduce_fp32 ? sums[i] / world : (sums[i] / world).to(at::kBFloat16).to(at::kFloat);
     }
+    if (s.clip > 0) torch::nn::utils::clip_grad_norm_(masters, s.clip);
     opt->step();
     for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
   }
   Parameters out;
-  for (const auto& item : model->named_parameters())
-    out[item.key()] = item.value().detach().clone();
+  const auto named = model->named_parameters();
+  for (size_t i = 0; i < named.size(); ++i) {
+    out[named[i].key()] = (how.mixed ? masters[i] : named[i].value()).detach().clone();
+  }
   return out;
+}
+
+// The loss under a param_dtype policy: the fp32 input enters the first unit, which casts it.
+at::Tensor policy_loss_of(BlockMlp& model, const at::Tensor& x, const at::Tensor& y,
+                          at::ScalarType param_dtype) {
+  return (model.forward(x) - y.to(param_dtype)).square().mean();
 }
 
 // This rank's part of training the scenario with FSDP (no_sync for all but the last
@@ -150,13 +186,16 @@ Parameters reference_training(int world, const Scenario& s, const Shape& shape,
 void train(FullyShardedDataParallel& fsdp, BlockMlp& model, int rank, int world,
            const Scenario& s) {
   const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
+  const std::optional<at::ScalarType> policy = fsdp.options().param_dtype;
   for (int step = 0; step < s.steps; ++step) {
     const auto [x, y] = global_batch(step, world, s);
     fsdp.zero_grad();
     for (int m = 0; m < s.micro_steps; ++m) {
       fsdp.set_sync(m + 1 == s.micro_steps);
-      (loss_of(model, rows_of(x, rank, m, s), rows_of(y, rank, m, s), dtype) / s.micro_steps)
-          .backward();
+      const at::Tensor xs = rows_of(x, rank, m, s), ys = rows_of(y, rank, m, s);
+      const at::Tensor loss =
+          policy ? policy_loss_of(model, xs, ys, *policy) : loss_of(model, xs, ys, dtype);
+      (loss / s.micro_steps).backward();
     }
     fsdp.finish_gradient_sync();
     if (s.clip > 0) fsdp.clip_grad_norm(s.clip);
@@ -211,6 +250,12 @@ std::vector<Case> cases() {
                  {.reduce_dtype = at::kFloat}});
   out.push_back({{.name = "adamw-keep-gathered-no-prefetch"},
                  {.reshard_after_forward = false, .prefetch = false}});
+  // The mixed-precision policy on the fp32 model: bf16 compute, fp32 shards as masters.
+  out.push_back({{.name = "adamw-param-bf16"}, {.param_dtype = at::kBFloat16}});
+  out.push_back({{.name = "adamw-param-bf16-keep-gathered", .clip = 0.05},
+                 {.reshard_after_forward = false, .param_dtype = at::kBFloat16}});
+  out.push_back({{.name = "adamw-param-bf16-reduce-fp32-accumulate", .micro_steps = 2},
+                 {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat}});
   return out;
 }
 
@@ -228,7 +273,9 @@ TEST_P(FsdpWorld, TrainsLikeSingleProcessTorchOptim) {
       c.options.timeout = std::chrono::seconds(60);
       const Scenario& s = c.scenario;
       const Parameters expected =
-          reference_training(world, s, shape, c.options.reduce_dtype.has_value());
+          reference_training(world, s, shape,
+                             {.reduce_fp32 = c.options.reduce_dtype.has_value(),
+                              .mixed = c.options.param_dtype.has_value()});
       const Parameters actual = train_fsdp(*group, s, shape, c.options);
       const Parameters init = [&] {
         Parameters p;
@@ -246,6 +293,26 @@ TEST_P(FsdpWorld, TrainsLikeSingleProcessTorchOptim) {
                    "fsdp/" + s.name + " at W=" + std::to_string(world));
     }
   }));
+}
+
+// The policy is the plain recipe: bf16 copies of the fp32 parameters, forward and backward on
+// the batch, the bf16 gradient converted to fp32, torch AdamW on the fp32 parameters; bitwise
+// at W = 1. (At W > 1 each rank's bf16 gradient of its rows is rounded before the ranks' sum,
+// which this recipe does not do; TrainsLikeSingleProcessTorchOptim's adamw-param-bf16 cases
+// check W = 2..4 against a reference that rounds as the ranks do, within 1e-6 per element.)
+TEST(FsdpMixedPrecision, PolicyIsBf16CopiesOfFp32ParametersBitwiseAtOneRank) {
+  torch::set_num_threads(1);
+  const Shape shape;
+  const Scenario s{.name = "adamw-param-bf16"};
+  const Parameters expected = reference_training(1, s, shape, {.mixed = true, .per_rank = false});
+  Parameters actual;
+  expect_all_ok(run_threads(1, [&](Rank& r) {
+    auto group = make_group(r);
+    actual = train_fsdp(*group, s, shape,
+                        {.param_dtype = at::kBFloat16, .timeout = std::chrono::seconds(60)});
+  }));
+  for (const auto& [name, tensor] : actual) EXPECT_EQ(tensor.scalar_type(), at::kFloat) << name;
+  expect_match(actual, expected, 0.0, "param_dtype = bf16 at W=1");
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, FsdpWorld, ::testing::Values(1, 2, 3, 4),
@@ -463,6 +530,57 @@ TEST(Fsdp, ModuleListPolicyWrapsWrapperModulesAndKeepsNames) {
   }));
 }
 
+// --- mixed precision per unit ------------------------------------------------------------------
+
+// Records the dtypes of its weight and its input in every forward: the unit's compute dtype.
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl() : fc(register_module("fc", torch::nn::Linear(8, 8))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    weight_dtypes.push_back(fc->weight.scalar_type());
+    input_dtypes.push_back(x.scalar_type());
+    return torch::tanh(fc(x));
+  }
+  torch::nn::Linear fc;
+  std::vector<at::ScalarType> weight_dtypes, input_dtypes;
+};
+TORCH_MODULE(Probe);
+
+TEST(FsdpMixedPrecision, AUnitWithItsOwnPolicyComputesInItsOwnDtype) {
+  torch::set_num_threads(1);
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = make_group(r);
+    std::vector<Probe> probes{Probe(), Probe(), Probe()};
+    torch::nn::Sequential model;
+    model->push_back(FsdpUnit(probes[0]));
+    model->push_back(FsdpUnit(probes[1], FsdpUnitOptions{.param_dtype = at::kFloat}));
+    model->push_back(FsdpUnit(probes[2]));
+    model->push_back(torch::nn::Linear(8, 4));  // the root unit
+    FullyShardedDataParallel fsdp(model.ptr(), *group, {.param_dtype = at::kBFloat16});
+    fsdp.set_optimizer(std::make_unique<optim::AdamW>(adamw_options()));
+    const Parameters before = fsdp.gather_full_parameters();
+    for (int step = 0; step < 2; ++step) {
+      fsdp.zero_grad();
+      const at::Tensor out = model->forward(at::randn({4, 8}));  // fp32 input
+      EXPECT_EQ(out.scalar_type(), at::kBFloat16) << "the root computes in param_dtype";
+      out.to(at::kFloat).square().mean().backward();
+      fsdp.finish_gradient_sync();
+      fsdp.step();
+    }
+    const std::vector<at::ScalarType> bf16(2, at::kBFloat16), fp32(2, at::kFloat);
+    EXPECT_EQ(probes[0]->weight_dtypes, bf16);
+    EXPECT_EQ(probes[0]->input_dtypes, bf16) << "the unit casts its fp32 input";
+    EXPECT_EQ(probes[1]->weight_dtypes, fp32) << "the unit's own param_dtype wins";
+    EXPECT_EQ(probes[1]->input_dtypes, fp32) << "the bf16 output of unit 0 is cast back";
+    EXPECT_EQ(probes[2]->weight_dtypes, bf16);
+    EXPECT_EQ(probes[2]->input_dtypes, bf16);
+    EXPECT_EQ(model[3]->as<torch::nn::LinearImpl>()->weight.scalar_type(), at::kBFloat16);
+    for (const auto& [name, tensor] : fsdp.gather_full_parameters()) {
+      EXPECT_EQ(tensor.scalar_type(), at::kFloat) << name << ": the shards stay fp32";
+      EXPECT_FALSE(tensor.equal(before.at(name))) << name << " was trained";
+    }
+  }));
+}
+
 // --- checkpoints ------------------------------------------------------------------------------
 
 // The global tensors a set of ranks' States describe, as a checkpointer reassembles them.
@@ -487,10 +605,14 @@ TEST(FsdpState, SavedAtFourLoadsAtThreeAsFsdpAndAtTwoAsDataParallel) {
   torch::set_num_threads(1);
   loom::testing::TempDir dir("loom-fsdp-ckpt");
   const Shape shape;
-  for (bool bf16 : {false, true}) {
+  // The third saves an fp32 model trained under param_dtype = bf16 and loads it without policy.
+  for (int variant : {0, 1, 2}) {
+    const bool bf16 = variant == 1;
+    const FsdpOptions save_options =
+        variant == 2 ? FsdpOptions{.param_dtype = at::kBFloat16} : FsdpOptions{};
     const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
     const Scenario s{.name = "ckpt", .bf16 = bf16, .steps = 2};
-    const int64_t step = bf16 ? 2 : 1;
+    const int64_t step = variant + 1;
     auto options = [&](int rank, int world) {
       ckpt::CheckpointerOptions o;
       o.dir = dir.path();
@@ -504,7 +626,7 @@ TEST(FsdpState, SavedAtFourLoadsAtThreeAsFsdpAndAtTwoAsDataParallel) {
     expect_all_ok(run_threads(4, [&](Rank& r) {
       auto group = make_group(r);
       auto model = make_model(shape, dtype, true);
-      FullyShardedDataParallel fsdp(model, *group);
+      FullyShardedDataParallel fsdp(model, *group, save_options);
       fsdp.set_optimizer(make_flat_optimizer(s));
       train(fsdp, *model, r.rank, 4, s);
       ckpt::State state;
@@ -551,11 +673,79 @@ TEST(FsdpState, SavedAtFourLoadsAtThreeAsFsdpAndAtTwoAsDataParallel) {
     ASSERT_EQ(as_fsdp.size(), saved.size());
     ASSERT_EQ(as_ddp.size(), saved.size());
     for (const auto& [name, tensor] : saved) {
-      EXPECT_TRUE(as_fsdp.at(name).equal(tensor)) << "FSDP W=3 " << name << (bf16 ? " bf16" : "");
+      EXPECT_TRUE(as_fsdp.at(name).equal(tensor)) << "FSDP W=3 " << name << " variant " << variant;
       EXPECT_TRUE(as_ddp.at(name).equal(tensor))
-          << "DataParallel W=2 " << name << (bf16 ? " bf16" : "");
+          << "DataParallel W=2 " << name << " variant " << variant;
     }
   }
+}
+
+// The names, ranges and dtypes of a State's tensors.
+std::vector<std::string> layout_of(const ckpt::State& state) {
+  std::vector<std::string> out;
+  for (const ckpt::TensorEntry& e : state.tensors) {
+    out.push_back(loom::detail::concat(e.name, " [", e.sharding.begin, ", ", e.sharding.end, ") ",
+                                       c10::toString(e.tensor.scalar_type())));
+  }
+  return out;
+}
+
+void expect_same_tensors(const ckpt::State& actual, const ckpt::State& expected,
+                         const std::string& what) {
+  ASSERT_EQ(layout_of(actual), layout_of(expected)) << what;
+  for (size_t i = 0; i < expected.tensors.size(); ++i) {
+    EXPECT_TRUE(actual.tensors[i].tensor.equal(expected.tensors[i].tensor))
+        << what << ": " << expected.tensors[i].name;
+  }
+}
+
+// fp32 FSDP -> param_dtype = bf16 FSDP -> fp32 FSDP at W = 2 through in-memory States: the
+// policy's state is the fp32 shards under the same names and ranges (no "master" entries).
+TEST(FsdpState, AMixedPrecisionRunAndAnFp32RunLoadEachOthersState) {
+  torch::set_num_threads(1);
+  const Shape shape;
+  const Scenario s{.name = "mp-state", .steps = 2};
+  expect_all_ok(run_threads(2, [&](Rank& r) {
+    auto group = make_group(r);
+    const FsdpOptions policy{.param_dtype = at::kBFloat16};
+    auto plain_model = make_model(shape, at::kFloat, true);
+    FullyShardedDataParallel plain(plain_model, *group);
+    plain.set_optimizer(make_flat_optimizer(s));
+    train(plain, *plain_model, r.rank, 2, s);
+    ckpt::State saved;
+    plain.add_state(saved);
+
+    auto mixed_model = make_model(shape, at::kFloat, true);
+    FullyShardedDataParallel mixed(mixed_model, *group, policy);
+    mixed.set_optimizer(make_flat_optimizer(s));
+    ckpt::State fresh;
+    mixed.add_state(fresh);
+    EXPECT_EQ(layout_of(fresh), layout_of(saved)) << "the same names, ranges and dtypes";
+    for (const std::string& entry : layout_of(fresh)) {
+      EXPECT_EQ(entry.find("/master"), std::string::npos) << entry;
+    }
+    mixed.load_state(saved);
+    EXPECT_EQ(mixed.step_count(), 2);
+    ckpt::State loaded;
+    mixed.add_state(loaded);
+    expect_same_tensors(loaded, saved, "fp32 FSDP into the bf16 policy");
+    train(mixed, *mixed_model, r.rank, 2, Scenario{.name = "more", .steps = 1});
+    ckpt::State mixed_saved;
+    mixed.add_state(mixed_saved);
+
+    auto again_model = make_model(shape, at::kFloat, true);
+    FullyShardedDataParallel again(again_model, *group);
+    again.set_optimizer(make_flat_optimizer(s));
+    again.load_state(mixed_saved);
+    EXPECT_EQ(again.step_count(), 3);
+    ckpt::State again_state;
+    again.add_state(again_state);
+    expect_same_tensors(again_state, mixed_saved, "the bf16 policy into fp32 FSDP");
+    const Parameters a = again.gather_full_parameters(), b = mixed.gather_full_parameters();
+    for (const auto& [name, tensor] : b) {
+      EXPECT_TRUE(a.at(name).equal(tensor)) << name;
+    }
+  }));
 }
 
 // --- bad input --------------------------------------------------------------------------------
@@ -643,6 +833,29 @@ TEST(FsdpBadInput, AUnitMarkedTwiceIsNamed) {
   message =
       loom::testing::error_of<InvalidArgument>([&] { std::make_shared<FsdpUnitImpl>(unit.ptr()); });
   EXPECT_NE(message.find("already an FsdpUnit"), std::string::npos) << message;
+}
+
+TEST(FsdpBadInput, ANonFloatingParamDtypeIsNamed) {
+  expect_all_ok(run_threads(1, [](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model(Shape{}, at::kFloat, true);
+    const std::string message = loom::testing::error_of<InvalidArgument>(
+        [&] { FullyShardedDataParallel fsdp(model, *group, {.param_dtype = at::kLong}); });
+    EXPECT_NE(message.find("FSDP: param_dtype must be a floating-point dtype, got Long"),
+              std::string::npos)
+        << message;
+  }));
+  std::string message = loom::testing::error_of<InvalidArgument>(
+      [] { FsdpUnit(Block(8, 8), FsdpUnitOptions{.param_dtype = at::kInt}); });
+  EXPECT_NE(message.find("FsdpUnit: param_dtype must be a floating-point dtype, got Int"),
+            std::string::npos)
+      << message;
+  FsdpUnit unit(Block(8, 8));
+  message = loom::testing::error_of<InvalidArgument>(
+      [&] { unit->set_options({.reduce_dtype = at::kBool}); });
+  EXPECT_NE(message.find("FsdpUnit: reduce_dtype must be a floating-point dtype, got Bool"),
+            std::string::npos)
+      << message;
 }
 
 TEST(FsdpBadInput, MismatchedModelsAreAnErrorNamingRankAndParameter) {
