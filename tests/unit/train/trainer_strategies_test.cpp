@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -74,6 +75,7 @@ class TrainerStrategies : public ::testing::Test {
   Run fit(const std::string& mode, const std::string& name, int64_t steps,
           const std::string& init_from = "") {
     Run run;
+    std::mutex init_mutex;
     testing::expect_all_ok(testing::run_threads(kWorld, [&](testing::Rank& r) {
       ConfigSchema keys = Runtime::schema();
       keys.merge(TrainOptions::schema());
@@ -85,8 +87,14 @@ class TrainerStrategies : public ::testing::Test {
                                             "parallel.mode=" + mode, "parallel.bucket_mb=0.001"}});
       Runtime rt = Runtime::init(config, Topology{r.rank, r.world, r.rank, r.world},
                                  /*configure_process=*/false, {.store = &r.store});
-      torch::manual_seed(11);  // the same initial model on every rank and in every run
-      auto model = std::make_shared<BlockLm>();
+      // The same initial model on every rank and in every run: the ranks are threads sharing
+      // libtorch's default generator, so seeding and drawing happen under one lock.
+      std::shared_ptr<BlockLm> model;
+      {
+        std::lock_guard<std::mutex> lock(init_mutex);
+        torch::manual_seed(11);
+        model = std::make_shared<BlockLm>();
+      }
       if (mode == "fsdp") parallel::wrap_modules<BlockImpl>(model->blocks);
       const std::unique_ptr<parallel::Strategy> strategy =
           parallel::make_strategy(model, rt.world_group(), rt.control_group(), config);
