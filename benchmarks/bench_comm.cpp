@@ -34,6 +34,8 @@ struct Settings {
   int step = 4;  // size multiplier between cases
   std::vector<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"};
   double seconds = 0.15;  // target time per measured block
+  std::string transport = "auto";  // Loom's side: auto (shared memory on one host) or tcp
+  int64_t slot_bytes = int64_t{256} << 10;  // GlooOptions::shared_memory_slot_bytes
   bool json = false;
   // Worker mode (set by the parent when it re-executes itself).
   int worker_rank = -1;
@@ -111,7 +113,11 @@ void run_worker(const Settings& s) {
   const int n = s.ranks;
   torch::set_num_threads(1);
   loom::comm::FileStore loom_store(std::filesystem::path(s.store_dir) / "loom");
-  auto group = loom::comm::new_gloo_group(loom_store, rank, n, {.name = "bench"});
+  auto group = loom::comm::new_gloo_group(
+      loom_store, rank, n,
+      {.name = "bench",
+       .shared_memory = s.transport == "auto",
+       .shared_memory_slot_bytes = static_cast<size_t>(s.slot_bytes)});
 
   auto c10d_store = c10::make_intrusive<c10d::FileStore>(s.store_dir + "/c10d", n);
   auto options = c10d::ProcessGroupGloo::Options::create();
@@ -120,9 +126,13 @@ void run_worker(const Settings& s) {
 
   if (rank == 0 && !s.json) {
     std::printf(
-        "bench_comm: %d ranks as processes, Gloo over loopback TCP, float32, "
-        "1 torch thread per rank\n",
-        n);
+        "bench_comm: %d ranks as processes on one host, float32, 1 torch thread per rank; Loom "
+        "%s, c10d Gloo over loopback TCP\n",
+        n,
+        s.transport == "auto"
+            ? loom::detail::concat("through shared memory (", s.slot_bytes >> 10, " KiB slots)")
+                  .c_str()
+            : "Gloo over loopback TCP");
     std::printf("%-15s %10s | %10s %9s %9s | %10s %9s | %6s\n", "op", "size", "loom us", "algbw",
                 "busbw", "c10d us", "busbw", "ratio");
     std::printf("%-15s %10s | %10s %9s %9s | %10s %9s | %6s\n", "", "", "", "GB/s", "GB/s", "",
@@ -209,7 +219,9 @@ int run_parent(const Settings& s, const std::string& self) {
                                      "--min-bytes=" + std::to_string(s.min_bytes),
                                      "--max-bytes=" + std::to_string(s.max_bytes),
                                      "--step=" + std::to_string(s.step),
-                                     "--seconds=" + std::to_string(s.seconds)};
+                                     "--seconds=" + std::to_string(s.seconds),
+                                     "--transport=" + s.transport,
+                                     "--shm-slot-bytes=" + std::to_string(s.slot_bytes)};
     std::string ops;
     for (const auto& op : s.ops) ops += (ops.empty() ? "" : ",") + op;
     argv.push_back("--ops=" + ops);
@@ -246,6 +258,12 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "broadcast"}));
   app.add_option("--seconds", s.seconds, "target seconds per measured block");
+  app.add_option("--transport", s.transport,
+                 "Loom's path: auto (shared memory between ranks on one host) or tcp (Gloo over "
+                 "loopback TCP, the same algorithm and transport as c10d for all_reduce)")
+      ->check(CLI::IsMember({"auto", "tcp"}));
+  app.add_option("--shm-slot-bytes", s.slot_bytes, "bytes each rank moves per shared-memory step")
+      ->check(CLI::Range(int64_t{4096}, int64_t{1} << 30));
   app.add_flag("--json", s.json, "print one JSON object per row");
   app.add_option("--worker-rank", s.worker_rank, "internal: run as this rank")->group("");
   app.add_option("--store-dir", s.store_dir, "internal: rendezvous directory")->group("");

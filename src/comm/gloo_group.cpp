@@ -28,6 +28,7 @@
 
 #include "comm/group_internal.h"
 #include "comm/reduce_kernels.h"
+#include "comm/shm_collectives.h"
 #include "comm/work.h"
 #include "loom/comm/flight_recorder.h"
 #include "loom/error.h"
@@ -38,6 +39,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using GlooContext = gloo::rendezvous::Context;
+using internal::ShmCollectives;
 using internal::rank_list;
 using std::chrono::milliseconds;
 
@@ -134,16 +136,26 @@ void allreduce_typed(const std::shared_ptr<gloo::Context>& context, const at::Te
 // tensor <- op over every rank's tensor, in place. bf16/fp16 accumulate in an fp32 temporary
 // (one conversion each way, so sums of many ranks do not lose bits at every step); kAvg is a
 // sum divided by the group size, in the accumulation dtype.
-void allreduce_tensor(const std::shared_ptr<gloo::Context>& context, const at::Tensor& tensor,
-                      ReduceOp op, uint32_t tag, milliseconds timeout) {
+// With `shm` (every rank on this host) the reduction runs through shared memory.
+void allreduce_tensor(const std::shared_ptr<gloo::Context>& context, ShmCollectives* shm,
+                      const at::Tensor& tensor, ReduceOp op, uint32_t tag, milliseconds timeout) {
   switch (tensor.scalar_type()) {
     case at::kBFloat16:
     case at::kHalf: {
       const at::Tensor accumulator = tensor.to(at::kFloat);
-      allreduce_tensor(context, accumulator, op, tag, timeout);
+      allreduce_tensor(context, shm, accumulator, op, tag, timeout);
       tensor.copy_(accumulator);
       return;
     }
+    default:
+      break;
+  }
+  if (shm != nullptr) {
+    shm->all_reduce(tensor, op, tag, Clock::now() + timeout);
+    if (op == ReduceOp::kAvg) tensor.div_(context->size);
+    return;
+  }
+  switch (tensor.scalar_type()) {
     case at::kFloat:
       allreduce_typed<float>(context, tensor, op, tag, timeout);
       break;
@@ -170,8 +182,13 @@ size_t nbytes(const at::Tensor& tensor) { return tensor.numel() * tensor.element
 
 uint8_t* bytes_of(const at::Tensor& tensor) { return static_cast<uint8_t*>(tensor.data_ptr()); }
 
-void allgather_bytes(const std::shared_ptr<gloo::Context>& context, const at::Tensor& input,
-                     const at::Tensor& output, uint32_t tag, milliseconds timeout) {
+void allgather_bytes(const std::shared_ptr<gloo::Context>& context, ShmCollectives* shm,
+                     const at::Tensor& input, const at::Tensor& output, uint32_t tag,
+                     milliseconds timeout) {
+  if (shm != nullptr) {
+    shm->all_gather(output, input, tag, Clock::now() + timeout);
+    return;
+  }
   gloo::AllgatherOptions options(context);
   options.setInput(bytes_of(input), nbytes(input));
   options.setOutput(bytes_of(output), nbytes(output));
@@ -241,17 +258,26 @@ void reduce_scatter_ring(const std::shared_ptr<gloo::Context>& context, const at
 
 // output <- this rank's chunk of op over every rank's input. bf16/fp16 run the ring on fp32
 // copies (one rounding at the end, as all_reduce); kAvg divides the sum once, at the end.
-void reduce_scatter_tensor(const std::shared_ptr<gloo::Context>& context, const at::Tensor& input,
-                           const at::Tensor& output, ReduceOp op, uint32_t tag,
-                           milliseconds timeout) {
+void reduce_scatter_tensor(const std::shared_ptr<gloo::Context>& context, ShmCollectives* shm,
+                           const at::Tensor& input, const at::Tensor& output, ReduceOp op,
+                           uint32_t tag, milliseconds timeout) {
   switch (input.scalar_type()) {
     case at::kBFloat16:
     case at::kHalf: {
       const at::Tensor accumulator = at::empty(output.sizes(), output.options().dtype(at::kFloat));
-      reduce_scatter_tensor(context, input.to(at::kFloat), accumulator, op, tag, timeout);
+      reduce_scatter_tensor(context, shm, input.to(at::kFloat), accumulator, op, tag, timeout);
       output.copy_(accumulator);
       return;
     }
+    default:
+      break;
+  }
+  if (shm != nullptr) {
+    shm->reduce_scatter(output, input, op, tag, Clock::now() + timeout);
+    if (op == ReduceOp::kAvg) output.div_(context->size);
+    return;
+  }
+  switch (input.scalar_type()) {
     case at::kFloat:
       reduce_scatter_ring<float>(context, input, output, op, tag, timeout);
       break;
@@ -322,6 +348,23 @@ std::shared_ptr<GlooContext> connect_full_mesh(Store& store, const std::string& 
     throw CommError(detail::concat("connecting gloo group ", description, ": ", e.what()));
   }
   return context;
+}
+
+// The shared-memory path when it is enabled and every rank is on this host, else null. Each
+// rank publishes its host identity under `prefix`; all compare the same list, so all agree.
+std::unique_ptr<ShmCollectives> connect_shared_memory(Store& store, const std::string& prefix,
+                                                      int rank, int size,
+                                                      const GlooOptions& options,
+                                                      const std::string& description) {
+  if (!options.shared_memory || size == 1) return nullptr;
+  PrefixStore scoped(prefix + "/shm", store);
+  const std::string host = internal::host_identity();
+  scoped.set(detail::concat("host/", rank), host);
+  for (int r = 0; r < size; ++r) {
+    if (scoped.get(detail::concat("host/", r), options.connect_timeout) != host) return nullptr;
+  }
+  return ShmCollectives::connect(scoped, "segment", rank, size, options.shared_memory_slot_bytes,
+                                 options.connect_timeout, description);
 }
 
 // --- the group -------------------------------------------------------------------------------
@@ -409,6 +452,8 @@ class GlooGroup final : public Group {
   const std::shared_ptr<GroupState> state_;
   const std::shared_ptr<gloo::transport::Device> device_;
   const std::shared_ptr<GlooContext> context_;  // used by the worker and p2p threads only
+  // The collectives' path when every rank is on this host (null otherwise); worker thread only.
+  const std::unique_ptr<ShmCollectives> shm_;
 
   // State below is protected by mutex_. work_ready_ is notified when queue_ grows or stopping_
   // is set; transfer_ready_ when transfers_ grows or p2p_stopping_ is set.
@@ -435,6 +480,8 @@ GlooGroup::GlooGroup(Store& store, std::string store_prefix, int rank, int size,
       device_(std::move(device)),
       context_(connect_full_mesh(store_, store_prefix_, rank, size, device_,
                                  options_.connect_timeout, state_->description)),
+      shm_(connect_shared_memory(store_, store_prefix_, rank, size, options_,
+                                 state_->description)),
       worker_([this] { worker_loop(); }),
       p2p_thread_([this] { p2p_loop(); }) {}
 
@@ -489,6 +536,16 @@ WorkPtr GlooGroup::enqueue(const char* op, const std::string& dtype, int64_t num
 }
 
 void GlooGroup::worker_loop() {
+  // This thread runs the shared-memory ops: peers see it alive while it holds the segment.
+  struct Attachment {
+    ShmCollectives* shm;
+    explicit Attachment(ShmCollectives* s) : shm(s) {
+      if (shm != nullptr) shm->attach();
+    }
+    ~Attachment() {
+      if (shm != nullptr) shm->detach();
+    }
+  } attachment(shm_.get());
   for (;;) {
     Op op;
     bool destroyed = false;
@@ -609,8 +666,10 @@ WorkPtr GlooGroup::all_reduce(at::Tensor& tensor, const AllReduceOptions& option
   internal::check_all_reduce(place(), tensor, options.op);
   Op body;
   body.empty = tensor.numel() == 0;
-  body.run = [context = context_, tensor, op = options.op, timeout = options.timeout](
-                 uint32_t tag) { allreduce_tensor(context, tensor, op, tag, timeout); };
+  body.run = [context = context_, shm = shm_.get(), tensor, op = options.op,
+              timeout = options.timeout](uint32_t tag) {
+    allreduce_tensor(context, shm, tensor, op, tag, timeout);
+  };
   return enqueue("all_reduce", tensor, {}, options.timeout, std::move(body));
 }
 
@@ -621,13 +680,13 @@ WorkPtr GlooGroup::all_reduce_coalesced(std::vector<at::Tensor>& tensors,
   for (const at::Tensor& tensor : tensors) total += tensor.numel();
   Op body;
   body.empty = total == 0;
-  body.run = [context = context_, tensors, op = options.op,
+  body.run = [context = context_, shm = shm_.get(), tensors, op = options.op,
               timeout = options.timeout](uint32_t tag) {
     // One flat copy, one all-reduce, one copy back: fewer, larger messages than one op each.
     std::vector<at::Tensor> flat_views;
     for (const at::Tensor& tensor : tensors) flat_views.push_back(tensor.view(-1));
     const at::Tensor flat = at::cat(flat_views);
-    allreduce_tensor(context, flat, op, tag, timeout);
+    allreduce_tensor(context, shm, flat, op, tag, timeout);
     int64_t offset = 0;
     for (const at::Tensor& tensor : tensors) {
       tensor.view(-1).copy_(flat.narrow(0, offset, tensor.numel()));
@@ -645,8 +704,10 @@ WorkPtr GlooGroup::reduce_scatter(at::Tensor& output, const at::Tensor& input,
   Op body;
   body.empty = input.numel() == 0;
   // Gloo has no reduce-scatter for uneven chunks: Loom's ring (reduce_scatter_ring above).
-  body.run = [context = context_, output, input, op = options.op, timeout = options.timeout](
-                 uint32_t tag) { reduce_scatter_tensor(context, input, output, op, tag, timeout); };
+  body.run = [context = context_, shm = shm_.get(), output, input, op = options.op,
+              timeout = options.timeout](uint32_t tag) {
+    reduce_scatter_tensor(context, shm, input, output, op, tag, timeout);
+  };
   return enqueue("reduce_scatter", input, {}, options.timeout, std::move(body));
 }
 
@@ -655,8 +716,9 @@ WorkPtr GlooGroup::all_gather(at::Tensor& output, const at::Tensor& input,
   internal::check_all_gather(place(), output, input);
   Op body;
   body.empty = input.numel() == 0;
-  body.run = [context = context_, output, input, timeout = options.timeout](uint32_t tag) {
-    allgather_bytes(context, input, output, tag, timeout);
+  body.run = [context = context_, shm = shm_.get(), output, input,
+              timeout = options.timeout](uint32_t tag) {
+    allgather_bytes(context, shm, input, output, tag, timeout);
   };
   return enqueue("all_gather", input, {}, options.timeout, std::move(body));
 }
@@ -666,11 +728,16 @@ WorkPtr GlooGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor
   internal::check_all_gather(place(), outputs, input);
   Op body;
   body.empty = input.numel() == 0;
-  body.run = [context = context_, outputs, input, timeout = options.timeout](uint32_t tag) {
+  body.run = [context = context_, shm = shm_.get(), outputs, input,
+              timeout = options.timeout](uint32_t tag) {
+    if (shm != nullptr) {  // straight into the outputs
+      shm->all_gather(outputs, input, tag, Clock::now() + timeout);
+      return;
+    }
     const int64_t n = input.numel();
     const at::Tensor gathered =
         at::empty({n * static_cast<int64_t>(outputs.size())}, input.options());
-    allgather_bytes(context, input, gathered, tag, timeout);
+    allgather_bytes(context, shm, input, gathered, tag, timeout);
     for (size_t r = 0; r < outputs.size(); ++r) {
       outputs[r].view(-1).copy_(gathered.narrow(0, static_cast<int64_t>(r) * n, n));
     }
@@ -682,8 +749,12 @@ WorkPtr GlooGroup::broadcast(at::Tensor& tensor, const BroadcastOptions& options
   internal::check_broadcast(place(), tensor, options.root);
   Op body;
   body.empty = tensor.numel() == 0;
-  body.run = [context = context_, tensor, root = options.root,
+  body.run = [context = context_, shm = shm_.get(), tensor, root = options.root,
               timeout = options.timeout](uint32_t tag) {
+    if (shm != nullptr) {
+      shm->broadcast(tensor, root, tag, Clock::now() + timeout);
+      return;
+    }
     gloo::BroadcastOptions gloo_options(context);
     gloo_options.setOutput(bytes_of(tensor), nbytes(tensor));
     gloo_options.setRoot(root);
@@ -696,7 +767,11 @@ WorkPtr GlooGroup::broadcast(at::Tensor& tensor, const BroadcastOptions& options
 
 WorkPtr GlooGroup::barrier(const BarrierOptions& options) {
   Op body;
-  body.run = [context = context_, timeout = options.timeout](uint32_t tag) {
+  body.run = [context = context_, shm = shm_.get(), timeout = options.timeout](uint32_t tag) {
+    if (shm != nullptr) {
+      shm->barrier(tag, Clock::now() + timeout);
+      return;
+    }
     gloo::BarrierOptions gloo_options(context);
     gloo_options.setTag(tag);
     gloo_options.setTimeout(timeout);

@@ -19,9 +19,18 @@ struct GlooOptions {
   size_t flight_capacity = 2048;          // ops kept by the flight recorder
   std::filesystem::path flight_dump_dir;  // rank_<r>.json is written here on a timeout ("" = no)
   std::string name = "world";             // the group's name in errors and dumps
+  // The intra-node fast path: when every rank of the group is on this host (same kernel boot,
+  // network and mount namespace), the collectives run through a shared-memory segment instead
+  // of loopback TCP; send/recv stay on TCP. false: TCP for everything.
+  bool shared_memory = true;
+  // The piece of a tensor one rank moves through shared memory per step; the segment holds
+  // size() + 1 of them. 256 KiB keeps a step in the shared cache (measured: 64 KiB to 4 MiB in
+  // docs/benchmarks.md).
+  size_t shared_memory_slot_bytes = size_t{256} << 10;
 };
 
-// Connects `size` ranks (this one is `rank`) in a full mesh; every rank calls it with the same
+// Connects `size` ranks (this one is `rank`) in a full mesh (and, on one host, a shared-memory
+// segment: see GlooOptions::shared_memory); every rank calls it with the same
 // store. Keys live under "gloo/<name>#<n>", n counting this rank's creations of that name, so a
 // name may be reused (tests, rebuilding after a failure). Blocks until connected or the connect
 // timeout, which is a Timeout naming the ranks that did not arrive. The store must outlive the
