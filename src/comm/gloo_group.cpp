@@ -39,8 +39,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using GlooContext = gloo::rendezvous::Context;
-using internal::ShmCollectives;
 using internal::rank_list;
+using internal::ShmCollectives;
 using std::chrono::milliseconds;
 
 // gloo's collectives put their slot prefix (0x01..0x08) in the top byte of a 64-bit slot;
@@ -402,6 +402,7 @@ class GlooGroup final : public Group {
   WorkPtr recv(at::Tensor& tensor, int src, const SendRecvOptions& options) override;
   std::unique_ptr<Group> new_subgroup(const std::vector<int>& ranks) override;
   const FlightRecorder& flight_recorder() const override { return state_->recorder; }
+  bool uses_shared_memory() const { return shm_ != nullptr; }
 
  private:
   // A send or recv posted by the worker, waited for by the p2p thread.
@@ -480,8 +481,7 @@ GlooGroup::GlooGroup(Store& store, std::string store_prefix, int rank, int size,
       device_(std::move(device)),
       context_(connect_full_mesh(store_, store_prefix_, rank, size, device_,
                                  options_.connect_timeout, state_->description)),
-      shm_(connect_shared_memory(store_, store_prefix_, rank, size, options_,
-                                 state_->description)),
+      shm_(connect_shared_memory(store_, store_prefix_, rank, size, options_, state_->description)),
       worker_([this] { worker_loop(); }),
       p2p_thread_([this] { p2p_loop(); }) {}
 
@@ -716,10 +716,8 @@ WorkPtr GlooGroup::all_gather(at::Tensor& output, const at::Tensor& input,
   internal::check_all_gather(place(), output, input);
   Op body;
   body.empty = input.numel() == 0;
-  body.run = [context = context_, shm = shm_.get(), output, input,
-              timeout = options.timeout](uint32_t tag) {
-    allgather_bytes(context, shm, input, output, tag, timeout);
-  };
+  body.run = [context = context_, shm = shm_.get(), output, input, timeout = options.timeout](
+                 uint32_t tag) { allgather_bytes(context, shm, input, output, tag, timeout); };
   return enqueue("all_gather", input, {}, options.timeout, std::move(body));
 }
 
@@ -838,6 +836,12 @@ std::unique_ptr<Group> new_gloo_group(Store& store, int rank, int size,
   return std::make_unique<GlooGroup>(
       store, internal::fresh_store_prefix(store, "gloo/" + options.name, rank), rank, size, options,
       make_device(options));
+}
+
+std::string gloo_transport(const Group& group) {
+  const auto* gloo = dynamic_cast<const GlooGroup*>(&group);
+  if (gloo == nullptr) return "";
+  return gloo->uses_shared_memory() ? "shared memory" : "tcp";
 }
 
 }  // namespace loom::comm

@@ -118,7 +118,9 @@ struct ShmCollectives::Segment {
 namespace {
 
 size_t controls_offset() { return round_up(sizeof(ShmCollectives::Segment), 64); }
-size_t slots_offset(int size) { return round_up(controls_offset() + size * sizeof(Control), kPage); }
+size_t slots_offset(int size) {
+  return round_up(controls_offset() + size * sizeof(Control), kPage);
+}
 size_t segment_bytes(int size, size_t slot_bytes) {
   return slots_offset(size) + (static_cast<size_t>(size) + 1) * slot_bytes;
 }
@@ -169,9 +171,10 @@ std::unique_ptr<ShmCollectives> ShmCollectives::connect(Store& store, const std:
     std::random_device random;
     name = detail::concat(kNamePrefix, ::getpid(), "-", std::hex, random(), random());
     fd = ::shm_open(("/" + name).c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    LOOM_CHECK(fd >= 0, CommError,
-               detail::concat("group ", description, ": creating the shared-memory segment /dev/shm/",
-                              name, " failed: ", errno_text(errno), advice));
+    LOOM_CHECK(
+        fd >= 0, CommError,
+        detail::concat("group ", description, ": creating the shared-memory segment /dev/shm/",
+                       name, " failed: ", errno_text(errno), advice));
     const int error = ::posix_fallocate(fd, 0, static_cast<off_t>(total));
     if (error != 0) {
       ::close(fd);
@@ -186,11 +189,13 @@ std::unique_ptr<ShmCollectives> ShmCollectives::connect(Store& store, const std:
   } else {
     name = store.get(name_key, timeout);
     fd = ::shm_open(("/" + name).c_str(), O_RDWR, 0600);
-    LOOM_CHECK(fd >= 0, CommError,
-               detail::concat("group ", description, ": opening rank 0's shared-memory segment "
-                              "/dev/shm/", name, " failed: ", errno_text(errno),
-                              " (are the ranks in different containers or mount namespaces?)",
-                              advice));
+    LOOM_CHECK(
+        fd >= 0, CommError,
+        detail::concat("group ", description,
+                       ": opening rank 0's shared-memory segment "
+                       "/dev/shm/",
+                       name, " failed: ", errno_text(errno),
+                       " (are the ranks in different containers or mount namespaces?)", advice));
     struct stat info {};
     const bool sized = ::fstat(fd, &info) == 0 && static_cast<size_t>(info.st_size) == total;
     if (!sized) {
@@ -206,8 +211,9 @@ std::unique_ptr<ShmCollectives> ShmCollectives::connect(Store& store, const std:
   ::close(fd);
   if (base == MAP_FAILED) {
     if (rank == 0) ::shm_unlink(("/" + name).c_str());
-    throw CommError(detail::concat("group ", description, ": mapping the shared-memory segment /dev/shm/",
-                                   name, " failed: ", errno_text(map_error), advice));
+    throw CommError(detail::concat("group ", description,
+                                   ": mapping the shared-memory segment /dev/shm/", name,
+                                   " failed: ", errno_text(map_error), advice));
   }
 
   if (rank == 0) {
@@ -383,7 +389,8 @@ void ShmCollectives::sync(Clock::time_point deadline) {
   for (int r = 0; r < size_; ++r) {
     if (control_at(base_, r).tags[parity].load(std::memory_order_relaxed) != tag_) {
       fail<CommError>(detail::concat(
-          "rank ", r, " issued a different collective at this point (another op, dtype, element "
+          "rank ", r,
+          " issued a different collective at this point (another op, dtype, element "
           "count or sequence number): the ranks diverged; `loom flight diff` over the flight "
           "dumps names the first op where they did"));
     }
@@ -405,8 +412,7 @@ Window window_of(int64_t n, int world, int r, int64_t o, int64_t q) {
 }  // namespace
 
 template <typename T>
-void ShmCollectives::all_reduce_typed(T* data, int64_t n, ReduceOp op,
-                                      Clock::time_point deadline) {
+void ShmCollectives::all_reduce_typed(T* data, int64_t n, ReduceOp op, Clock::time_point deadline) {
   const ReduceKernel kernel = reduce_kernel<T>(op);
   // Each piece takes a window of q elements from every rank's shard of the tensor.
   const int64_t q = static_cast<int64_t>(slot_bytes_ / sizeof(T)) / size_;
@@ -461,7 +467,7 @@ void ShmCollectives::reduce_scatter_typed(T* output, const T* input, int64_t n, 
       const auto operand = [&](int j) -> const T* {
         return j == rank_ ? input + own.begin : reinterpret_cast<const T*>(slot(j)) + rank_ * q;
       };
-      T* out = aliased ? reinterpret_cast<T*>(result()) : output + o;
+      T* out = aliased ? reinterpret_cast<T*>(result()) + rank_ * q : output + o;
       kernel(out, operand(0), operand(1), static_cast<size_t>(own.size));
       for (int j = 2; j < size_; ++j) kernel(out, out, operand(j), static_cast<size_t>(own.size));
       if (aliased) std::memcpy(output + o, out, own.size * sizeof(T));
@@ -487,8 +493,9 @@ void dispatch_reducible(const char* op, at::ScalarType dtype, F&& f) {
       return f(uint8_t{});
     default:
       throw InvalidArgument(
-          detail::concat(op, ": the shared-memory path reduces fp32, fp64, int32, int64 and "
-                             "uint8 (bf16 and fp16 are accumulated in fp32 by the caller), not ",
+          detail::concat(op,
+                         ": the shared-memory path reduces fp32, fp64, int32, int64 and "
+                         "uint8 (bf16 and fp16 are accumulated in fp32 by the caller), not ",
                          dtype_name(dtype)));
   }
 }
@@ -504,8 +511,8 @@ void ShmCollectives::all_reduce(const at::Tensor& tensor, ReduceOp op, uint64_t 
   });
 }
 
-void ShmCollectives::reduce_scatter(const at::Tensor& output, const at::Tensor& input,
-                                    ReduceOp op, uint64_t tag, Clock::time_point deadline) {
+void ShmCollectives::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                                    uint64_t tag, Clock::time_point deadline) {
   dispatch_reducible("reduce_scatter", input.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     begin(tag);
@@ -518,14 +525,16 @@ void ShmCollectives::all_gather(const at::Tensor& output, const at::Tensor& inpu
                                 Clock::time_point deadline) {
   const int64_t n = input.numel() * static_cast<int64_t>(input.element_size());
   std::vector<uint8_t*> outputs;
-  for (int j = 0; j < size_; ++j) outputs.push_back(static_cast<uint8_t*>(output.data_ptr()) + j * n);
+  for (int j = 0; j < size_; ++j)
+    outputs.push_back(static_cast<uint8_t*>(output.data_ptr()) + j * n);
   all_gather_bytes(outputs, static_cast<const uint8_t*>(input.data_ptr()), n, tag, deadline);
 }
 
 void ShmCollectives::all_gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
                                 uint64_t tag, Clock::time_point deadline) {
   std::vector<uint8_t*> pointers;
-  for (const at::Tensor& output : outputs) pointers.push_back(static_cast<uint8_t*>(output.data_ptr()));
+  for (const at::Tensor& output : outputs)
+    pointers.push_back(static_cast<uint8_t*>(output.data_ptr()));
   all_gather_bytes(pointers, static_cast<const uint8_t*>(input.data_ptr()),
                    input.numel() * static_cast<int64_t>(input.element_size()), tag, deadline);
 }
@@ -538,7 +547,8 @@ void ShmCollectives::all_gather_bytes(const std::vector<uint8_t*>& outputs, cons
     const int64_t len = std::min(q, n - o);
     std::memcpy(slot(rank_), input + o, len);
     sync(deadline);
-    for (int j = 0; j < size_; ++j) std::memcpy(outputs[j] + o, j == rank_ ? input + o : slot(j), len);
+    for (int j = 0; j < size_; ++j)
+      std::memcpy(outputs[j] + o, j == rank_ ? input + o : slot(j), len);
     sync(deadline);
   }
 }

@@ -71,8 +71,8 @@ class ShmCollectives {
   // fp64, int32, int64 or uint8 for the reductions (kAvg sums; the caller divides), any dtype
   // for the copies. Throw Timeout past the deadline, CommError when a peer died or failed.
   void all_reduce(const at::Tensor& tensor, ReduceOp op, uint64_t tag, Clock::time_point deadline);
-  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                      uint64_t tag, Clock::time_point deadline);
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, uint64_t tag,
+                      Clock::time_point deadline);
   void all_gather(const at::Tensor& output, const at::Tensor& input, uint64_t tag,
                   Clock::time_point deadline);
   void all_gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, uint64_t tag,

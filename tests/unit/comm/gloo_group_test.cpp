@@ -30,9 +30,10 @@ namespace ref = loom::testing::collectives;
 // Generous: a healthy op takes microseconds; this only bounds a broken test.
 constexpr milliseconds kOpTimeout{20000};
 
-GlooOptions quick_options(const std::string& name = "world") {
+GlooOptions quick_options(const std::string& name = "world", bool shared_memory = true) {
   GlooOptions options;
   options.name = name;
+  options.shared_memory = shared_memory;
   options.connect_timeout = std::chrono::seconds(20);
   return options;
 }
@@ -51,11 +52,16 @@ void expect_throw_naming(F&& call, const std::vector<std::string>& parts) {
   }
 }
 
-class GlooGroupWorld : public ::testing::TestWithParam<int> {};
+// (world size, shared memory): both paths of the backend, since ranks as threads share a host.
+class GlooGroupWorld : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 
 TEST_P(GlooGroupWorld, EveryOpAndDtypeMatchesReference) {
-  expect_all_ok(run_threads(GetParam(), [](Rank& r) {
-    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+  const auto [world, shared_memory] = GetParam();
+  expect_all_ok(run_threads(world, [shared_memory = shared_memory](Rank& r) {
+    GlooOptions options = quick_options();
+    options.shared_memory = shared_memory;
+    auto group = new_gloo_group(r.store, r.rank, r.world, options);
+    ASSERT_EQ(gloo_transport(*group), shared_memory ? "shared memory" : "tcp");
     int salt = 0;
     for (at::ScalarType dtype : ref::kAllDtypes) {
       for (int64_t n : {0, 1, 7, 33}) ref::check_ops(*group, dtype, n, ++salt, kOpTimeout);
@@ -63,34 +69,39 @@ TEST_P(GlooGroupWorld, EveryOpAndDtypeMatchesReference) {
   }));
 }
 
-INSTANTIATE_TEST_SUITE_P(Gloo, GlooGroupWorld, ::testing::Values(2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Gloo, GlooGroupWorld,
+                         ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Bool()));
 
 TEST(GlooGroup, LargeUnevenSumUsesManySegments) {
-  // 1000003 floats are 4 MB: several of gloo's 1 MB segments, and not divisible by 3.
-  expect_all_ok(run_threads(3, [](Rank& r) {
-    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
-    const int64_t n = 1000003;
-    const std::vector<at::Tensor> inputs = ref::inputs_of_all_ranks(at::kFloat, n, r.world, 5);
-    const at::Tensor expected = ref::reference_reduce(inputs, ReduceOp::kSum);
-    at::Tensor tensor = inputs[r.rank].clone();
-    group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
-    EXPECT_TRUE(tensor.equal(expected));
+  // 1000003 floats are 4 MB: several of gloo's 1 MB segments (and of the shared-memory
+  // path's slots), and not divisible by 3. Both paths.
+  for (bool shared_memory : {false, true}) {
+    expect_all_ok(run_threads(3, [shared_memory](Rank& r) {
+      auto group = new_gloo_group(r.store, r.rank, r.world, quick_options("world", shared_memory));
+      const int64_t n = 1000003;
+      const std::vector<at::Tensor> inputs = ref::inputs_of_all_ranks(at::kFloat, n, r.world, 5);
+      const at::Tensor expected = ref::reference_reduce(inputs, ReduceOp::kSum);
+      at::Tensor tensor = inputs[r.rank].clone();
+      group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+      EXPECT_TRUE(tensor.equal(expected));
 
-    const ShardRange shard = shard_range(n, r.world, r.rank);
-    at::Tensor shard_out = at::empty({shard.size()}, at::kFloat);
-    group->reduce_scatter(shard_out, inputs[r.rank], {.timeout = kOpTimeout})->wait();
-    EXPECT_TRUE(shard_out.equal(expected.narrow(0, shard.begin, shard.size())));
-  }));
+      const ShardRange shard = shard_range(n, r.world, r.rank);
+      at::Tensor shard_out = at::empty({shard.size()}, at::kFloat);
+      group->reduce_scatter(shard_out, inputs[r.rank], {.timeout = kOpTimeout})->wait();
+      EXPECT_TRUE(shard_out.equal(expected.narrow(0, shard.begin, shard.size())));
+    }));
+  }
 }
 
 // The ring reduce-scatter on random floats, against an fp64 sum of the ranks' inputs: the
 // ring adds the W inputs of a chunk in ring order, so each element is a float sum of W terms,
 // within W float roundings of the exact sum: |error| <= W * 2^-24 * sum |x_r| per element.
-// Uneven sizes (n not a multiple of W, n < W: empty chunks) and W = 2..4.
+// Uneven sizes (n not a multiple of W, n < W: empty chunks) and W = 2..4. Over TCP: the ring
+// is the path groups that span hosts take (shm_collectives_test.cpp checks the other one).
 TEST(GlooGroup, RingReduceScatterOfRandomFloatsIsWithinRoundingOfTheExactSum) {
   for (int world : {2, 3, 4}) {
     expect_all_ok(run_threads(world, [](Rank& r) {
-      auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+      auto group = new_gloo_group(r.store, r.rank, r.world, quick_options("world", false));
       for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{1001}, int64_t{262147}}) {
         std::vector<at::Tensor> inputs;
         for (int q = 0; q < r.world; ++q) {
@@ -121,10 +132,10 @@ TEST(GlooGroup, RingReduceScatterOfRandomFloatsIsWithinRoundingOfTheExactSum) {
 
 // bf16 reduce-scatter accumulates in fp32 and rounds once: 1 + 3 * 2^-8 summed in bf16 one
 // term at a time stays 1 (each 1 + 2^-8 rounds back to 1), in fp32 it is exact and rounds to
-// 1 + 2^-6 (a tie between 1 + 2^-7 and 1 + 2^-6, to even).
+// 1 + 2^-6 (a tie between 1 + 2^-7 and 1 + 2^-6, to even). Over TCP (the ring).
 TEST(GlooGroup, Bf16ReduceScatterAccumulatesInFp32) {
   expect_all_ok(run_threads(4, [](Rank& r) {
-    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options("world", false));
     const double value = r.rank == 0 ? 1.0 : 0x1p-8;
     const at::Tensor input = at::full({8}, value, at::kBFloat16);
     at::Tensor out = at::empty({2}, at::kBFloat16);

@@ -1,0 +1,248 @@
+// The intra-node fast path (src/comm/shm_collectives.h) through the Gloo group, ranks as
+// threads: random floats against the single-process reduction in rank order (bitwise: each
+// element is reduced by one rank, in rank order, with the same IEEE operations), tensors of
+// many slots with uneven shards, bf16 accumulated in fp32, diverged ranks, a peer that leaves,
+// and the segments in /dev/shm.
+
+#include "comm/shm_collectives.h"
+
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <fcntl.h>
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "harness/harness.h"
+#include "loom/comm/gloo.h"
+#include "loom/error.h"
+
+namespace loom::comm {
+namespace {
+
+using loom::testing::expect_all_ok;
+using loom::testing::Rank;
+using loom::testing::run_threads;
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+constexpr milliseconds kOpTimeout{20000};
+
+GlooOptions small_slots(size_t slot_bytes = 4096) {
+  GlooOptions options;
+  options.connect_timeout = std::chrono::seconds(20);
+  options.shared_memory_slot_bytes = slot_bytes;
+  return options;
+}
+
+void expect_bitwise(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  ASSERT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
+  const at::Tensor differs = actual.ne(expected);
+  EXPECT_EQ(differs.sum().item<int64_t>(), 0)
+      << what << ": " << differs.sum().item<int64_t>() << " of " << actual.numel()
+      << " elements differ, the first at " << differs.nonzero().slice(0, 0, 1);
+}
+
+// Rank r's random input: normal floats of several magnitudes, so sums round.
+at::Tensor random_input(at::ScalarType dtype, int64_t n, int rank) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + rank);
+  return (at::randn({n}, gen, at::kDouble) * at::exp(at::randn({n}, gen, at::kDouble) * 3))
+      .to(dtype);
+}
+
+// The reduction as one process computes it: ((x0 op x1) op x2) ..., in the input dtype.
+at::Tensor in_rank_order(const std::vector<at::Tensor>& inputs, ReduceOp op) {
+  at::Tensor acc = inputs[0].clone();
+  for (size_t r = 1; r < inputs.size(); ++r) {
+    if (op == ReduceOp::kMax) {
+      acc = at::maximum(acc, inputs[r]);
+    } else if (op == ReduceOp::kMin) {
+      acc = at::minimum(acc, inputs[r]);
+    } else {
+      acc = acc + inputs[r];
+    }
+  }
+  if (op == ReduceOp::kAvg) acc.div_(static_cast<int64_t>(inputs.size()));
+  return acc;
+}
+
+class SharedMemoryWorld : public ::testing::TestWithParam<int> {};
+
+// 10007 elements through 4 KiB slots: each op takes dozens of pieces, and the shards are uneven.
+TEST_P(SharedMemoryWorld, RandomFloatsEqualTheReductionInRankOrderBitwise) {
+  const int world = GetParam();
+  constexpr int64_t n = 10007;
+  expect_all_ok(run_threads(world, [&](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, small_slots());
+    ASSERT_EQ(gloo_transport(*group), "shared memory");
+    for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+      const std::string type = c10::toString(dtype);
+      std::vector<at::Tensor> inputs;
+      for (int k = 0; k < world; ++k) inputs.push_back(random_input(dtype, n, k));
+      const at::Tensor& mine = inputs[r.rank];
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax}) {
+        at::Tensor tensor = mine.clone();
+        group->all_reduce(tensor, {.op = op, .timeout = kOpTimeout})->wait();
+        expect_bitwise(tensor, in_rank_order(inputs, op),
+                       "all_reduce " + type + " " + to_string(op));
+      }
+      const ShardRange shard = shard_range(n, world, r.rank);
+      const at::Tensor expected_shard =
+          in_rank_order(inputs, ReduceOp::kSum).narrow(0, shard.begin, shard.size());
+      at::Tensor output = at::full({shard.size()}, 99, mine.options());
+      group->reduce_scatter(output, mine, {.timeout = kOpTimeout})->wait();
+      expect_bitwise(output, expected_shard, "reduce_scatter " + type);
+      // The output a view of the input, as ZeRO's shard of its bucket is.
+      at::Tensor bucket = mine.clone();
+      at::Tensor view = bucket.narrow(0, shard.begin, shard.size());
+      group->reduce_scatter(view, bucket.clone(), {.timeout = kOpTimeout})->wait();
+      at::Tensor in_place = mine.clone();
+      at::Tensor in_place_view = in_place.narrow(0, shard.begin, shard.size());
+      group->reduce_scatter(in_place_view, in_place, {.timeout = kOpTimeout})->wait();
+      expect_bitwise(in_place_view, expected_shard,
+                     "reduce_scatter into a view of its input " + type);
+
+      at::Tensor flat = at::zeros({world * n}, mine.options());
+      group->all_gather(flat, mine, {.timeout = kOpTimeout})->wait();
+      expect_bitwise(flat, at::cat(inputs), "all_gather " + type);
+      std::vector<at::Tensor> outputs;
+      for (int k = 0; k < world; ++k) outputs.push_back(at::zeros({n}, mine.options()));
+      group->all_gather(outputs, mine, {.timeout = kOpTimeout})->wait();
+      for (int k = 0; k < world; ++k) {
+        expect_bitwise(outputs[k], inputs[k],
+                       "all_gather list " + type + " from " + std::to_string(k));
+      }
+      at::Tensor broadcast = mine.clone();
+      group->broadcast(broadcast, {.root = world - 1, .timeout = kOpTimeout})->wait();
+      expect_bitwise(broadcast, inputs[world - 1], "broadcast " + type);
+    }
+    group->barrier({.timeout = kOpTimeout})->wait();
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shm, SharedMemoryWorld, ::testing::Values(2, 3, 4));
+
+// 1 + 2^-8 + 2^-8: in bf16 each partial sum is a tie that rounds to even (1.0, then 1.0 again);
+// accumulated in fp32 the sum is 1 + 2^-7, which bf16 holds exactly.
+TEST(SharedMemory, Bf16SumsAccumulateInFp32) {
+  expect_all_ok(run_threads(3, [](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, small_slots());
+    const double mine = r.rank == 0 ? 1.0 : 1.0 / 256;
+    at::Tensor tensor = at::full({3000}, mine, at::kBFloat16);
+    group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+    expect_bitwise(tensor, at::full({3000}, 1.0 + 1.0 / 128, at::kBFloat16), "all_reduce");
+    at::Tensor input = at::full({3000}, mine, at::kBFloat16);
+    at::Tensor output = at::zeros({1000}, at::kBFloat16);
+    group->reduce_scatter(output, input, {.timeout = kOpTimeout})->wait();
+    expect_bitwise(output, at::full({1000}, 1.0 + 1.0 / 128, at::kBFloat16), "reduce_scatter");
+    // The same numbers summed in bf16 at every step would give 1.0.
+    const at::Tensor one = at::full({1}, 1.0, at::kBFloat16);
+    const at::Tensor step = at::full({1}, 1.0 / 256, at::kBFloat16);
+    EXPECT_EQ(((one + step) + step).item<float>(), 1.0f);
+  }));
+}
+
+TEST(SharedMemory, GroupsOnOneHostUseItTheOptionTurnsItOffAndNoSegmentIsLeft) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto shm = new_gloo_group(r.store, r.rank, r.world, small_slots());
+    GlooOptions tcp_options = small_slots();
+    tcp_options.shared_memory = false;
+    tcp_options.name = "tcp";
+    auto tcp = new_gloo_group(r.store, r.rank, r.world, tcp_options);
+    EXPECT_EQ(gloo_transport(*shm), "shared memory");
+    EXPECT_EQ(gloo_transport(*tcp), "tcp");
+    auto sub = shm->new_subgroup({0, 1});
+    EXPECT_EQ(gloo_transport(*sub), "shared memory");
+    // Connected groups have unlinked their segments: the mappings alone hold the memory.
+    EXPECT_EQ(internal::shared_memory_segments(::getpid()), std::vector<std::string>{});
+    at::Tensor a = at::full({5}, r.rank + 1.0);
+    at::Tensor b = a.clone();
+    shm->all_reduce(a, {.timeout = kOpTimeout})->wait();
+    tcp->all_reduce(b, {.timeout = kOpTimeout})->wait();
+    expect_bitwise(a, b, "both paths");
+  }));
+}
+
+// Ranks that issue different collectives meet in the segment: both fail at once, well inside
+// the op's 20 s timeout, instead of mixing their data.
+TEST(SharedMemory, DivergedRanksFailAtOnceAndTheGroupStaysBroken) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, small_slots());
+    at::Tensor tensor = at::ones({r.rank == 0 ? 7 : 8});
+    const Clock::time_point start = Clock::now();
+    try {
+      group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+      ADD_FAILURE() << "diverged all_reduce succeeded";
+    } catch (const CommError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("all_reduce #1"), std::string::npos) << what;
+      EXPECT_NE(what.find("issued a different collective"), std::string::npos) << what;
+      EXPECT_NE(what.find("rank " + std::to_string(1 - r.rank)), std::string::npos) << what;
+    }
+    EXPECT_LT(Clock::now() - start, milliseconds(5000));
+    try {
+      group->barrier({.timeout = kOpTimeout})->wait();
+      ADD_FAILURE() << "an op after the divergence succeeded";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("broken"), std::string::npos) << e.what();
+    }
+  }));
+}
+
+// A rank that destroys its group while a peer waits for it: the peer's op is a CommError
+// naming it, at once rather than at the deadline.
+TEST(SharedMemory, APeerThatLeavesFailsTheWaitingRankNamingIt) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, small_slots());
+    if (r.rank == 1) {
+      group.reset();
+      r.store.set("left", "1");
+      return;
+    }
+    r.store.get("left", kOpTimeout);
+    at::Tensor tensor = at::ones({100});
+    const Clock::time_point start = Clock::now();
+    try {
+      group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+      ADD_FAILURE() << "an all_reduce without its peer succeeded";
+    } catch (const CommError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 1 (pid "), std::string::npos) << what;
+      EXPECT_NE(what.find("left the group"), std::string::npos) << what;
+    }
+    EXPECT_LT(Clock::now() - start, milliseconds(5000));
+  }));
+}
+
+// A creator killed between creating its segment and unlinking it leaves the segment behind;
+// the next group created on the host removes it, and leaves a live process's segment alone.
+TEST(SharedMemory, TheNextGroupRemovesTheSegmentOfADeadCreator) {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // a pid that no process holds now
+  const std::string stale = "loom-shm-" + std::to_string(child) + "-stale";
+  const std::string live = "loom-shm-" + std::to_string(::getpid()) + "-live";
+  for (const std::string& name : {stale, live}) {
+    const int fd = ::shm_open(("/" + name).c_str(), O_CREAT | O_RDWR, 0600);
+    ASSERT_GE(fd, 0) << name;
+    ::close(fd);
+  }
+  ASSERT_EQ(internal::shared_memory_segments(child), std::vector<std::string>{stale});
+  expect_all_ok(
+      run_threads(2, [](Rank& r) { new_gloo_group(r.store, r.rank, r.world, small_slots()); }));
+  EXPECT_EQ(internal::shared_memory_segments(child), std::vector<std::string>{});
+  EXPECT_EQ(internal::shared_memory_segments(::getpid()), std::vector<std::string>{live});
+  ::shm_unlink(("/" + live).c_str());
+}
+
+}  // namespace
+}  // namespace loom::comm
