@@ -33,8 +33,8 @@ struct Settings {
   int64_t max_bytes = int64_t{256} << 20;
   int step = 4;  // size multiplier between cases
   std::vector<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"};
-  double seconds = 0.15;  // target time per measured block
-  std::string transport = "auto";  // Loom's side: auto (shared memory on one host) or tcp
+  double seconds = 0.15;                    // target time per measured block
+  std::string transport = "auto";           // Loom's side: auto (shared memory on one host) or tcp
   int64_t slot_bytes = int64_t{256} << 10;  // GlooOptions::shared_memory_slot_bytes
   bool json = false;
   // Worker mode (set by the parent when it re-executes itself).
@@ -113,11 +113,11 @@ void run_worker(const Settings& s) {
   const int n = s.ranks;
   torch::set_num_threads(1);
   loom::comm::FileStore loom_store(std::filesystem::path(s.store_dir) / "loom");
-  auto group = loom::comm::new_gloo_group(
-      loom_store, rank, n,
-      {.name = "bench",
-       .shared_memory = s.transport == "auto",
-       .shared_memory_slot_bytes = static_cast<size_t>(s.slot_bytes)});
+  auto group =
+      loom::comm::new_gloo_group(loom_store, rank, n,
+                                 {.name = "bench",
+                                  .shared_memory = s.transport == "auto",
+                                  .shared_memory_slot_bytes = static_cast<size_t>(s.slot_bytes)});
 
   auto c10d_store = c10::make_intrusive<c10d::FileStore>(s.store_dir + "/c10d", n);
   auto options = c10d::ProcessGroupGloo::Options::create();

@@ -166,6 +166,9 @@ ConfigSchema Runtime::schema() {
   s.add("run.deterministic", false, "make torch use deterministic algorithms only");
   s.add("log.level", "info", "trace, debug, info, warn, error or off");
   s.add("log.to_file", true, "also write <run.dir>/logs/rank_<r>.log");
+  s.add("comm.shared_memory", true,
+        "CPU collectives through shared memory when every rank is on one host (false: loopback "
+        "TCP)");
   return s;
 }
 
@@ -301,12 +304,14 @@ namespace {
 // other nodes by.
 std::unique_ptr<comm::Group> new_gloo_world(comm::Store& store, const Topology& t,
                                             const std::string& name,
-                                            const std::filesystem::path& flight_dir) {
+                                            const std::filesystem::path& flight_dir,
+                                            bool shared_memory) {
   const std::string advertise = env_str("LOOM_ADVERTISE_ADDR");
   return comm::new_gloo_group(store, t.rank, t.world_size,
                               {.hostname = advertise.empty() ? "127.0.0.1" : advertise,
                                .flight_dump_dir = flight_dir,
-                               .name = name});
+                               .name = name,
+                               .shared_memory = shared_memory});
 }
 
 }  // namespace
@@ -322,7 +327,12 @@ comm::Group& Runtime::world_group() const {
           s, t.rank, t.world_size,
           {.device = impl.device.index(), .flight_dump_dir = impl.flight_dir(false)});
     } else {
-      impl.world_group = new_gloo_world(s, t, "world", impl.flight_dir(false));
+      impl.world_group = new_gloo_world(s, t, "world", impl.flight_dir(false),
+                                        impl.config.get<bool>("comm.shared_memory"));
+      if (t.world_size > 1) {
+        impl.logger->info("world group: {} ranks, gloo over {}", t.world_size,
+                          comm::gloo_transport(*impl.world_group));
+      }
     }
   }
   return *impl.world_group;
@@ -337,7 +347,8 @@ comm::Group& Runtime::control_group() const {
     // never wait behind gradient buckets queued on the world group's worker, and the CPU runs
     // the same group layout (and the same tests) as a GPU job. It costs one more connection
     // per peer and two threads per rank.
-    impl.control_group = new_gloo_world(s, impl.topology, "control", impl.flight_dir(true));
+    impl.control_group = new_gloo_world(s, impl.topology, "control", impl.flight_dir(true),
+                                        impl.config.get<bool>("comm.shared_memory"));
   }
   return *impl.control_group;
 }

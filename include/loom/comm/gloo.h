@@ -39,4 +39,8 @@ struct GlooOptions {
 std::unique_ptr<Group> new_gloo_group(Store& store, int rank, int size,
                                       const GlooOptions& options = {});
 
+// "shared memory" when `group` is a Gloo group whose collectives run through shared memory,
+// "tcp" for a Gloo group over TCP, "" for any other group.
+std::string gloo_transport(const Group& group);
+
 }  // namespace loom::comm
