@@ -1,7 +1,8 @@
 // The Gloo backend of comm::Group: CPU collectives over TCP. Bootstrap goes through a
 // loom::comm::Store (adapted to gloo's rendezvous::Store); ops run on one worker thread per
 // group in issue order; send/recv are posted by that worker and completed by a second thread so
-// that an exchange (both ranks send, then recv) does not deadlock.
+// that an exchange (both ranks send, then recv) does not deadlock. When every rank is on this
+// host the collectives run through shared memory instead (shm_collectives.h), on the same worker.
 
 #include "loom/comm/gloo.h"
 
