@@ -159,6 +159,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::connect(Store& store, const std:
   slot_bytes = round_up(std::max<size_t>(slot_bytes, kPage), kPage);
   const size_t total = segment_bytes(size, slot_bytes);
   const std::string name_key = prefix + "/name";
+  const std::string unlinked_key = prefix + "/unlinked";
   const auto mapped_key = [&](int r) { return detail::concat(prefix, "/mapped/", r); };
   const std::string advice =
       "; set GlooOptions::shared_memory = false (config comm.shared_memory = false) to use TCP "
@@ -250,6 +251,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::connect(Store& store, const std:
                                    timeout.count(), " ms"));
     }
     ::shm_unlink(("/" + name).c_str());
+    store.set(unlinked_key, "1");
   } else {
     const auto* segment = static_cast<const Segment*>(base);
     if (segment->magic != kMagic || segment->size != size || segment->slot_bytes != slot_bytes) {
@@ -259,6 +261,15 @@ std::unique_ptr<ShmCollectives> ShmCollectives::connect(Store& store, const std:
                                      ", slot ", slot_bytes, " bytes)"));
     }
     store.set(mapped_key(rank), "1");
+    // Every rank returns a group that has left nothing in /dev/shm.
+    try {
+      store.wait({unlinked_key}, timeout);
+    } catch (const Timeout&) {
+      ::munmap(base, total);
+      throw Timeout(detail::concat("group ", description, ": rank 0 did not confirm within ",
+                                   timeout.count(),
+                                   " ms that every rank mapped the shared-memory segment"));
+    }
   }
   return std::unique_ptr<ShmCollectives>(
       new ShmCollectives(rank, size, slot_bytes, base, total, description));
