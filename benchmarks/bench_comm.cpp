@@ -33,7 +33,8 @@ struct Settings {
   int64_t max_bytes = int64_t{256} << 20;
   int step = 4;  // size multiplier between cases
   std::vector<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"};
-  double seconds = 0.15;                    // target time per measured block
+  double seconds = 0.05;                    // target time per measured block
+  int rounds = 7;                           // measured rounds per side
   std::string transport = "auto";           // Loom's side: auto (shared memory on one host) or tcp
   int64_t slot_bytes = int64_t{256} << 10;  // GlooOptions::shared_memory_slot_bytes
   bool json = false;
@@ -102,11 +103,47 @@ double time_block(loom::comm::Group& sync, const OpFn& fn, int iters) {
   return std::chrono::duration<double>(Clock::now() - start).count() / iters;
 }
 
+// One call, after a barrier: the first at a size is the cold figure (fresh buffers, first touch
+// of this size's slots and scratch).
+double time_once(loom::comm::Group& sync, const OpFn& fn) { return time_block(sync, fn, 1); }
+
 // The same on every rank: derived from the size alone, so ranks agree without talking.
 int iterations_for(int64_t bytes, double seconds) {
   double per_op_guess = 2e-3 + static_cast<double>(bytes) / 0.5e9;  // loopback Gloo, roughly
   return std::clamp(static_cast<int>(seconds / per_op_guess), 3, 200);
 }
+
+// One side's figures at one size: the cold call and the per-op mean of each measured round.
+struct Side {
+  double cold_s = 0;
+  std::vector<double> rounds_s;
+  double median() const {
+    std::vector<double> v = rounds_s;
+    std::sort(v.begin(), v.end());
+    size_t n = v.size();
+    return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+  }
+  double min() const { return *std::min_element(rounds_s.begin(), rounds_s.end()); }
+  double max() const { return *std::max_element(rounds_s.begin(), rounds_s.end()); }
+  // (max - min) / median over the rounds, in percent.
+  double spread_pct() const { return (max() - min()) / median() * 100; }
+};
+
+// Whether both sides run the same algorithm, so that the ratio measures overhead alone: over TCP
+// Loom calls the same gloo::allreduce / allgather / broadcast as c10d; its reduce_scatter is a
+// ring where c10d (libtorch 1.13) all-reduces and slices; through shared memory every op is
+// Loom's own.
+bool same_algorithm(const Settings& s, const std::string& op) {
+  return s.transport == "tcp" && op != "reduce_scatter";
+}
+
+// Geometric mean of c10d/Loom over the cases of one size range.
+struct Geomean {
+  const char* name;  // "[64KiB,1MiB)"
+  double lo, hi;     // bytes, lo <= size < hi
+  double log_sum = 0;
+  int cases = 0;
+};
 
 void run_worker(const Settings& s) {
   const int rank = s.worker_rank;
@@ -133,17 +170,26 @@ void run_worker(const Settings& s) {
             ? loom::detail::concat("through shared memory (", s.slot_bytes >> 10, " KiB slots)")
                   .c_str()
             : "Gloo over loopback TCP");
-    std::printf("%-15s %10s | %10s %9s %9s | %10s %9s | %6s\n", "op", "size", "loom us", "algbw",
-                "busbw", "c10d us", "busbw", "ratio");
-    std::printf("%-15s %10s | %10s %9s %9s | %10s %9s | %6s\n", "", "", "", "GB/s", "GB/s", "",
-                "GB/s", "c10d/loom");
+    std::printf(
+        "each case: 1 cold call per side, then %d interleaved rounds (the side that goes first "
+        "alternates), each round the mean of a block of calls; us = median over rounds, spread = "
+        "(max - min) / median; ratio = median c10d / median loom; algo: same = both sides run "
+        "the same gloo algorithm, so the ratio is overhead alone\n",
+        s.rounds);
+    std::printf("%-15s %9s %5s | %10s %6s %9s %10s | %10s %6s %9s %10s | %6s %4s\n", "op", "size",
+                "calls", "loom us", "spread", "busbw", "cold us", "c10d us", "spread", "busbw",
+                "cold us", "ratio", "algo");
   }
   std::vector<int64_t> sizes;  // min, min*step, ... below max, then max itself
   for (int64_t bytes = s.min_bytes; bytes < s.max_bytes; bytes *= s.step) sizes.push_back(bytes);
   sizes.push_back(s.max_bytes);
   for (const std::string& op : s.ops) {
-    double log_ratio_sum = 0;  // over sizes >= 64 KiB, for the summary line
-    int large_cases = 0;
+    const bool same = same_algorithm(s, op);
+    const std::string baseline_name =
+        op == "reduce_scatter" ? "c10d ProcessGroupGloo allreduce + slice (libtorch 1.13)"
+                               : "c10d ProcessGroupGloo (libtorch 1.13)";
+    std::vector<Geomean> ranges = {{"[64KiB,1MiB)", 64 * 1024, 1024 * 1024},
+                                   {">=1MiB", 1024 * 1024, 1e300}};
     for (int64_t bytes : sizes) {
       int64_t numel = std::max<int64_t>(n, bytes / 4 / n * n);  // divisible by the ranks
       Buffers b;
@@ -153,53 +199,74 @@ void run_worker(const Settings& s) {
       OpFn loom_fn = loom_op(*group, op, b);
       OpFn c10d_fn = c10d_op(c10d_group, op, b);
       int iters = iterations_for(numel * 4, s.seconds);
-      loom_fn();  // warm-up: connections, allocations
-      c10d_fn();
-      double loom_s = 1e9, c10d_s = 1e9;
-      // Interleaved rounds, alternating which goes first; the best round of each counts.
-      for (int round = 0; round < 6; ++round) {
-        if (round % 2 == 0) loom_s = std::min(loom_s, time_block(*group, loom_fn, iters));
-        c10d_s = std::min(c10d_s, time_block(*group, c10d_fn, iters));
-        if (round % 2 == 1) loom_s = std::min(loom_s, time_block(*group, loom_fn, iters));
+      Side loom, c10d;
+      loom.cold_s = time_once(*group, loom_fn);
+      c10d.cold_s = time_once(*group, c10d_fn);
+      for (int round = 0; round < s.rounds; ++round) {
+        if (round % 2 == 0) loom.rounds_s.push_back(time_block(*group, loom_fn, iters));
+        c10d.rounds_s.push_back(time_block(*group, c10d_fn, iters));
+        if (round % 2 == 1) loom.rounds_s.push_back(time_block(*group, loom_fn, iters));
       }
       if (rank != 0) continue;
-      double size = static_cast<double>(numel * 4);
-      if (size >= 64 * 1024) {
-        log_ratio_sum += std::log(c10d_s / loom_s);
-        ++large_cases;
+      const double size = static_cast<double>(numel * 4);
+      const double ratio = c10d.median() / loom.median();
+      for (Geomean& range : ranges) {
+        if (size >= range.lo && size < range.hi) {
+          range.log_sum += std::log(ratio);
+          ++range.cases;
+        }
       }
-      double loom_bus = size / loom_s / 1e9 * bus_factor(op, n);
-      double c10d_bus = size / c10d_s / 1e9 * bus_factor(op, n);
+      const double loom_bus = size / loom.median() / 1e9 * bus_factor(op, n);
+      const double c10d_bus = size / c10d.median() / 1e9 * bus_factor(op, n);
       loom::bench::Row row{"comm",
                            loom::detail::concat(op, "/", numel * 4, "B/", n, "ranks"),
-                           loom_s * 1e6,
-                           c10d_s * 1e6,
-                           op == "reduce_scatter"
-                               ? "c10d ProcessGroupGloo allreduce + slice (libtorch 1.13)"
-                               : "c10d ProcessGroupGloo (libtorch 1.13)",
+                           loom.median() * 1e6,
+                           c10d.median() * 1e6,
+                           baseline_name,
                            "us",
-                           c10d_s / loom_s,
+                           ratio,
                            {{"bytes", size},
                             {"ranks", n},
+                            {"rounds", s.rounds},
+                            {"calls_per_round", iters},
+                            {"loom_min_us", loom.min() * 1e6},
+                            {"loom_max_us", loom.max() * 1e6},
+                            {"loom_cold_us", loom.cold_s * 1e6},
+                            {"baseline_min_us", c10d.min() * 1e6},
+                            {"baseline_max_us", c10d.max() * 1e6},
+                            {"baseline_cold_us", c10d.cold_s * 1e6},
+                            {"cold_ratio", c10d.cold_s / loom.cold_s},
+                            {"same_algorithm", same ? 1 : 0},
                             {"busbw_loom_gbps", loom_bus},
                             {"busbw_baseline_gbps", c10d_bus}}};
       if (s.json) {
         loom::bench::print_json(row);
       } else {
-        std::printf("%-15s %10s | %10.1f %9.3f %9.3f | %10.1f %9.3f | %6.2f\n", op.c_str(),
-                    loom::bench::format_bytes(size).c_str(), loom_s * 1e6, size / loom_s / 1e9,
-                    loom_bus, c10d_s * 1e6, c10d_bus, row.ratio);
+        std::printf(
+            "%-15s %9s %5d | %10.1f %5.1f%% %9.3f %10.1f | %10.1f %5.1f%% %9.3f %10.1f | %6.2f "
+            "%4s\n",
+            op.c_str(), loom::bench::format_bytes(size).c_str(), iters, loom.median() * 1e6,
+            loom.spread_pct(), loom_bus, loom.cold_s * 1e6, c10d.median() * 1e6, c10d.spread_pct(),
+            c10d_bus, c10d.cold_s * 1e6, ratio, same ? "same" : "diff");
         std::fflush(stdout);
       }
     }
-    if (rank == 0 && large_cases > 0) {
-      double geomean = std::exp(log_ratio_sum / large_cases);
+    if (rank != 0) continue;
+    for (const Geomean& range : ranges) {
+      if (range.cases == 0) continue;
+      const double geomean = std::exp(range.log_sum / range.cases);
       if (s.json) {
-        loom::bench::print_json({"comm", loom::detail::concat(op, "/geomean>=64KiB/", n, "ranks"),
-                                 0, 0, "c10d ProcessGroupGloo (libtorch 1.13)", "ratio", geomean});
+        loom::bench::print_json({"comm",
+                                 loom::detail::concat(op, "/geomean", range.name, "/", n, "ranks"),
+                                 0,
+                                 0,
+                                 baseline_name,
+                                 "ratio",
+                                 geomean,
+                                 {{"cases", range.cases}, {"same_algorithm", same ? 1 : 0}}});
       } else {
-        std::printf("%-15s %10s   geometric mean of c10d/loom over sizes >= 64 KiB: %.2f\n",
-                    op.c_str(), "", geomean);
+        std::printf("%-15s geometric mean of c10d/loom over sizes %s: %.2f (%d sizes)\n",
+                    op.c_str(), range.name, geomean, range.cases);
       }
     }
   }
@@ -220,6 +287,7 @@ int run_parent(const Settings& s, const std::string& self) {
                                      "--max-bytes=" + std::to_string(s.max_bytes),
                                      "--step=" + std::to_string(s.step),
                                      "--seconds=" + std::to_string(s.seconds),
+                                     "--rounds=" + std::to_string(s.rounds),
                                      "--transport=" + s.transport,
                                      "--shm-slot-bytes=" + std::to_string(s.slot_bytes)};
     std::string ops;
@@ -257,7 +325,11 @@ int main(int argc, char** argv) {
   app.add_option("--ops", s.ops, "ops to measure")
       ->delimiter(',')
       ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "broadcast"}));
-  app.add_option("--seconds", s.seconds, "target seconds per measured block");
+  app.add_option("--seconds", s.seconds,
+                 "target seconds per measured block (one round of one side)");
+  app.add_option("--rounds", s.rounds,
+                 "measured rounds per side, interleaved; median and spread over them")
+      ->check(CLI::Range(1, 1000));
   app.add_option("--transport", s.transport,
                  "Loom's path: auto (shared memory between ranks on one host) or tcp (Gloo over "
                  "loopback TCP, the same algorithm and transport as c10d for all_reduce)")
