@@ -42,8 +42,10 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "bench_report.h"
 #include "loom/comm/gloo.h"
@@ -85,6 +87,7 @@ struct Settings {
   int worker_rank = -1;
   std::string store_dir;
   std::string dataset;  // --mode=trainer workers: the token dataset
+  std::string baton;    // --mode=trainer workers: turn-taking directory shared with Python DDP
 };
 
 // --mode=trainer's model: a step of ~50-200 ms on one core of the 2-core benchmark machine.
@@ -442,6 +445,7 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& self,
                                    "--bucket-mib=" + std::to_string(s.bucket_mib)};
   // An empty "--dataset=" would make CLI11 take the next argument as its value.
   if (!s.dataset.empty()) argv.push_back("--dataset=" + s.dataset);
+  if (!s.baton.empty()) argv.push_back("--baton=" + s.baton);
   if (s.json) argv.push_back("--json");
   return argv;
 }
@@ -501,22 +505,70 @@ void write_token_dataset(const Settings& s, const std::filesystem::path& dir) {
   writer.finish();
 }
 
-// Rank 0's medians, written by its worker for the parent: step times in ms, and the median
-// over rounds of each hand loop's step / the Trainer's step in the same round (a paired
-// figure, steadier than the ratio of medians when the load of the machine drifts).
+// Rank 0's step times in ms, one per measured round, written by its worker for the parent.
 struct TrainerTimes {
-  double trainer = 0;
-  double hand_dp = 0;
-  double hand_plain = 0;
-  double hand_dp_round_ratio = 0;
-  double hand_plain_round_ratio = 0;
+  std::vector<double> trainer, hand_dp, hand_plain;
 };
 
+// The median over rounds of num[i] / den[i]: a paired figure, steadier than the ratio of
+// medians when the load of the machine drifts.
 double median_ratio(const std::vector<double>& num, const std::vector<double>& den) {
   std::vector<double> ratios;
   for (size_t i = 0; i < num.size() && i < den.size(); ++i) ratios.push_back(num[i] / den[i]);
   return median(ratios);
 }
+
+// Turn-taking with the Python DDP peer (run_trainer_parent starts both at once), through files
+// in one directory, so that the two alternate round by round and load on the machine falls on
+// both alike: after Loom's round i (the Trainer step and the hand loops), Loom's rank 0 creates
+// python_<i> and waits for loom_<i>, which Python's rank 0 creates after its own round i. The
+// wait is outside every timed region. When the Python side fails (it creates "failed") or takes
+// longer than a deadline, Loom goes on alone and the Python row is skipped.
+class PythonBaton {
+ public:
+  explicit PythonBaton(std::string dir) : dir_(std::move(dir)) {}
+
+  // Each rank's batches, in the order its Trainer reads them, for Python to train on the same
+  // tokens: rounds x [batch, seq + 1] int64, written before the first round.
+  void write_batches(loom::Runtime& rt, const Settings& s,
+                     const loom::data::ReaderOptions& reader_options) {
+    if (dir_.empty()) return;
+    auto reader = rt.open_dataset(s.dataset, reader_options);
+    const std::filesystem::path path =
+        std::filesystem::path(dir_) / loom::detail::concat("tokens_rank", s.worker_rank, ".bin");
+    const std::filesystem::path part = path.string() + ".part";
+    {
+      std::ofstream out(part, std::ios::binary);
+      for (int i = 0; i < s.warmup + s.steps; ++i) {
+        const at::Tensor tokens = reader->next()["tokens"].to(torch::kLong).contiguous();
+        out.write(static_cast<const char*>(tokens.data_ptr()),
+                  static_cast<std::streamsize>(tokens.numel() * sizeof(int64_t)));
+      }
+      LOOM_CHECK(out.good(), loom::Error, "bench_train: cannot write ", part);
+    }
+    std::filesystem::rename(part, path);
+  }
+
+  // Rank 0: hands round `round` to Python and waits until it is done.
+  void pass(int round) {
+    if (dir_.empty() || gone_) return;
+    const std::filesystem::path dir(dir_);
+    std::ofstream(dir / loom::detail::concat("python_", round)).put('1');
+    const std::filesystem::path back = dir / loom::detail::concat("loom_", round);
+    const auto deadline = Clock::now() + std::chrono::minutes(5);
+    while (!std::filesystem::exists(back)) {
+      if (std::filesystem::exists(dir / "failed") || Clock::now() > deadline) {
+        gone_ = true;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+ private:
+  std::string dir_;
+  bool gone_ = false;
+};
 
 loom::Runtime trainer_runtime(const Settings& s) {
   const std::string run_dir = (std::filesystem::path(s.store_dir) / "run").string();
@@ -565,6 +617,9 @@ TrainerTimes measure_trainer(const Settings& s) {
   auto plain_model = make_model(s);
   torch::optim::AdamW plain_opt(plain_model->parameters(), torch::optim::AdamWOptions(1e-4));
   auto plain_reader = rt.open_dataset(s.dataset, reader_options);
+
+  PythonBaton python(s.baton);
+  python.write_batches(rt, s, reader_options);
 
   // What people write over DataParallel by hand: the Trainer's work without its bookkeeping.
   auto hand_dp_step = [&] {
@@ -616,6 +671,7 @@ TrainerTimes measure_trainer(const Settings& s) {
     if (record) trainer_ms.push_back(ms_since(trainer_start));
     timed(hand_dp_step, hand_dp_ms, record);
     timed(hand_plain_step, hand_plain_ms, record);
+    if (group.rank() == 0) python.pass(static_cast<int>(info.step));
     group.barrier()->wait();
     trainer_start = Clock::now();
   };
@@ -631,29 +687,62 @@ TrainerTimes measure_trainer(const Settings& s) {
   group.barrier()->wait();
   trainer_start = Clock::now();
   trainer.fit();
-  return {median(trainer_ms), median(hand_dp_ms), median(hand_plain_ms),
-          median_ratio(hand_dp_ms, trainer_ms), median_ratio(hand_plain_ms, trainer_ms)};
+  return {trainer_ms, hand_dp_ms, hand_plain_ms};
+}
+
+void write_line(std::ostream& out, const std::vector<double>& values) {
+  for (size_t i = 0; i < values.size(); ++i) out << (i == 0 ? "" : " ") << values[i];
+  out << "\n";
+}
+
+std::vector<double> read_line(std::istream& in) {
+  std::string line;
+  std::getline(in, line);
+  std::istringstream fields(line);
+  std::vector<double> values;
+  for (double v; fields >> v;) values.push_back(v);
+  return values;
 }
 
 void run_trainer_worker(const Settings& s) {
   const TrainerTimes t = measure_trainer(s);
   if (s.worker_rank != 0) return;
-  std::ofstream(std::filesystem::path(s.store_dir) / "times.txt")
-      << t.trainer << " " << t.hand_dp << " " << t.hand_plain << " " << t.hand_dp_round_ratio << " "
-      << t.hand_plain_round_ratio << "\n";
+  std::ofstream out(std::filesystem::path(s.store_dir) / "times.txt");
+  write_line(out, t.trainer);
+  write_line(out, t.hand_dp);
+  write_line(out, t.hand_plain);
 }
 
-// The peer: the same model, data shapes, optimizer, clipping and thread count in PyTorch's
-// Python DDP (gloo, 2 processes by torch.multiprocessing, rendezvous through a file). Each
-// rank pre-generates its batches; every step runs from one barrier to the next, as in
-// measure_trainer; rank 0 prints the median step time of the measured steps.
+// The peer: the same model, batches (the tokens each Loom rank's Trainer reads, from the baton
+// directory), optimizer, clipping and thread count in PyTorch's Python DDP (gloo, 2 processes
+// by torch.multiprocessing, rendezvous through a file), taking turns with Loom round by round
+// (PythonBaton). Every step runs from one barrier to the next, as in measure_trainer; rank 0
+// prints the step time of every measured round.
 constexpr const char* kPythonDdp = R"PY(
-import math, sys, time
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-import torch.nn.functional as F
+import math, os, sys, time
+
+a = dict(arg.split("=", 1) for arg in sys.argv[1:])
+baton = a["baton"]
+
+
+def wait_for(name):
+    deadline = time.monotonic() + 300
+    path = os.path.join(baton, name)
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError("Loom did not create " + path + " within 300 s")
+        time.sleep(0.0002)
+
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    import torch.nn as nn
+    import torch.nn.functional as F
+except BaseException:
+    open(os.path.join(baton, "failed"), "w").close()
+    raise
 
 
 class Block(nn.Module):
@@ -697,12 +786,18 @@ def worker(rank, a):
     torch.manual_seed(7)
     model = nn.parallel.DistributedDataParallel(Gpt(a), bucket_cap_mb=a["bucket_mib"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(1000 + rank)
-    batches = [torch.randint(a["vocab"], (a["batch"], a["seq"] + 1), generator=g)
-               for _ in range(a["warmup"] + a["steps"])]
-    times = []
-    for i, tokens in enumerate(batches):
+    rounds = a["warmup"] + a["steps"]
+    batches, times = None, []
+    for i in range(rounds):
+        if rank == 0:
+            wait_for("python_%d" % i)
         dist.barrier()
+        if batches is None:  # written by Loom's rank before its first round
+            with open(os.path.join(baton, "tokens_rank%d.bin" % rank), "rb") as f:
+                data = bytearray(f.read())
+            batches = torch.frombuffer(data, dtype=torch.int64).view(rounds, a["batch"], a["seq"] + 1)
+            dist.barrier()
+        tokens = batches[i]
         start = time.perf_counter()
         opt.zero_grad()
         logits = model(tokens[:, :-1])
@@ -714,23 +809,31 @@ def worker(rank, a):
         dist.barrier()
         if i >= a["warmup"]:
             times.append((time.perf_counter() - start) * 1e3)
+        if rank == 0:
+            open(os.path.join(baton, "loom_%d" % i), "w").close()
     if rank == 0:
-        print("step_ms", sorted(times)[len(times) // 2], flush=True)
+        print("step_ms", " ".join("%.6g" % t for t in times), flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    a = dict(arg.split("=", 1) for arg in sys.argv[1:])
-    for key in a:
-        if key not in ("init", "bucket_mib"):
-            a[key] = int(a[key])
-    a["bucket_mib"] = float(a["bucket_mib"])
-    mp.spawn(worker, args=(a,), nprocs=a["ranks"])
+    try:
+        for key in a:
+            if key not in ("init", "bucket_mib", "baton"):
+                a[key] = int(a[key])
+        a["bucket_mib"] = float(a["bucket_mib"])
+        mp.spawn(worker, args=(a,), nprocs=a["ranks"])
+    except BaseException:
+        open(os.path.join(baton, "failed"), "w").close()
+        raise
 )PY";
 
-// The Python DDP median step in ms, or 0 (with a note on stderr) when it could not run.
-double python_ddp_ms(const Settings& s, const std::filesystem::path& dir) {
-  const std::filesystem::path script = dir / "python_ddp.py", out = dir / "python_ddp.out";
+// Starts the Python DDP peer taking turns through `baton`; nothing (with a note on stderr)
+// when it cannot start.
+std::optional<loom::util::Subprocess> start_python_ddp(const Settings& s,
+                                                       const std::filesystem::path& dir,
+                                                       const std::filesystem::path& baton) {
+  const std::filesystem::path script = dir / "python_ddp.py";
   std::ofstream(script) << kPythonDdp;
   std::vector<std::string> argv = {s.python, script.string()};
   const std::pair<const char*, std::string> args[] = {{"ranks", "2"},
@@ -744,25 +847,33 @@ double python_ddp_ms(const Settings& s, const std::filesystem::path& dir) {
                                                       {"warmup", std::to_string(s.warmup)},
                                                       {"threads", std::to_string(s.threads)},
                                                       {"bucket_mib", std::to_string(s.bucket_mib)},
-                                                      {"init", (dir / "python_ddp.init").string()}};
+                                                      {"init", (dir / "python_ddp.init").string()},
+                                                      {"baton", baton.string()}};
   for (const auto& [key, value] : args) argv.push_back(std::string(key) + "=" + value);
-  loom::util::ExitStatus status;
   try {
-    status = loom::util::Subprocess::spawn({.argv = argv, .output = out}).wait();
+    return loom::util::Subprocess::spawn({.argv = argv, .output = dir / "python_ddp.out"});
   } catch (const std::exception& e) {
     std::cerr << "bench_train: note: Python DDP rows skipped: " << e.what() << "\n";
-    return 0;
+    return std::nullopt;
   }
-  std::ifstream in(out);
+}
+
+// The Python DDP step of every measured round in ms, or nothing (with a note on stderr) when
+// it did not run to the end.
+std::vector<double> finish_python_ddp(const Settings& s, const std::filesystem::path& dir,
+                                      loom::util::Subprocess& python) {
+  const loom::util::ExitStatus status = python.wait();
+  std::ifstream in(dir / "python_ddp.out");
   const std::string text((std::istreambuf_iterator<char>(in)), {});
   const size_t at = text.rfind("step_ms ");
   if (!status.ok() || at == std::string::npos) {
     std::cerr << "bench_train: note: Python DDP rows skipped: " << s.python << " "
               << status.describe() << " (python3 with torch needed; --python to choose):\n"
               << text.substr(text.size() > 2000 ? text.size() - 2000 : 0) << "\n";
-    return 0;
+    return {};
   }
-  return std::stod(text.substr(at + 8));
+  std::istringstream line(text.substr(at + 8));
+  return read_line(line);
 }
 
 int run_trainer_parent(Settings s, const std::string& self) {
@@ -774,44 +885,68 @@ int run_trainer_parent(Settings s, const std::string& self) {
     std::printf(
         "bench_train --mode=trainer: %.2fM-parameter transformer (%lld layers, dim %lld, "
         "vocab %lld), %lld x %lld tokens per rank, %d thread(s) per rank, AdamW, clip 1.0, "
-        "median of %d interleaved rounds after %d warmup\n",
+        "median of %d rounds after %d warmup; every round runs one step of each loop, and at 2 "
+        "ranks one of Python DDP, in turn, on the same batches\n",
         params_m, (long long)s.layers, (long long)s.dim, (long long)s.vocab, (long long)s.batch,
         (long long)s.seq, s.threads, s.steps, s.warmup);
     std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
                 "unit", "ratio");
   }
-  auto emit_row = [&](const std::string& name, double loom_ms, double base_ms,
-                      const std::string& base_name, double round_ratio) {
-    loom::bench::Row row{"train",   name, loom_ms,           base_ms,
-                         base_name, "ms", base_ms / loom_ms, {{"params_m", params_m}}};
-    if (round_ratio > 0) row.extra["median_round_ratio"] = round_ratio;
-    emit(s, row);
+  // ratio: the baseline's median step / the Trainer's; median_round_ratio: the median of the
+  // same ratio taken round by round; spread: (max - min) / median over the rounds.
+  auto emit_row = [&](const std::string& name, const std::vector<double>& loom_ms,
+                      const std::vector<double>& base_ms, const std::string& base_name) {
+    auto spread_pct = [](const std::vector<double>& v) {
+      return (*std::max_element(v.begin(), v.end()) - *std::min_element(v.begin(), v.end())) /
+             median(v) * 100;
+    };
+    emit(s, {"train",
+             name,
+             median(loom_ms),
+             median(base_ms),
+             base_name,
+             "ms",
+             median(base_ms) / median(loom_ms),
+             {{"params_m", params_m},
+              {"rounds", static_cast<double>(loom_ms.size())},
+              {"median_round_ratio", median_ratio(base_ms, loom_ms)},
+              {"loom_spread_pct", spread_pct(loom_ms)},
+              {"baseline_spread_pct", spread_pct(base_ms)}}});
   };
-  TrainerTimes at_two;
   for (int ranks : {1, 2}) {
     s.ranks = ranks;
     const std::filesystem::path run = dir / loom::detail::concat("w", ranks);
+    // At 2 ranks Python DDP runs at the same time, taking turns with Loom round by round.
+    std::optional<loom::util::Subprocess> python;
+    s.baton.clear();
+    if (ranks == 2) {
+      const std::filesystem::path baton = dir / "baton";
+      std::filesystem::create_directories(baton);
+      python = start_python_ddp(s, dir, baton);
+      if (python) s.baton = baton.string();
+    }
     if (!run_ranks(s, self, run)) {
       std::cerr << "bench_train: rank logs kept in " << dir << std::endl;
       return 1;
     }
     std::ifstream in(run / "times.txt");
-    TrainerTimes t;
-    in >> t.trainer >> t.hand_dp >> t.hand_plain >> t.hand_dp_round_ratio >>
-        t.hand_plain_round_ratio;
-    LOOM_CHECK(in && t.trainer > 0, loom::Error, "no times from the ", ranks, "-rank run");
+    TrainerTimes t{read_line(in), read_line(in), read_line(in)};
+    LOOM_CHECK(!t.trainer.empty() && t.trainer.size() == t.hand_dp.size() &&
+                   t.trainer.size() == t.hand_plain.size(),
+               loom::Error, "no times from the ", ranks, "-rank run");
     const std::string suffix = ranks == 1 ? "/1rank" : "/2ranks";
-    emit_row("trainer_overhead" + suffix, t.trainer, t.hand_dp, "hand_loop_dataparallel",
-             t.hand_dp_round_ratio);
+    emit_row("trainer_overhead" + suffix, t.trainer, t.hand_dp, "hand_loop_dataparallel");
     emit_row("trainer_vs_plain" + suffix, t.trainer, t.hand_plain,
-             ranks == 1 ? "hand_loop_libtorch" : "hand_loop_allreduce_after_backward",
-             t.hand_plain_round_ratio);
-    if (ranks == 2) at_two = t;
-  }
-  const double python_ms = python_ddp_ms(s, dir);
-  if (python_ms > 0) {
-    emit_row("trainer_vs_python_ddp/2ranks", at_two.trainer, python_ms, "pytorch_python_ddp_gloo",
-             0);
+             ranks == 1 ? "hand_loop_libtorch" : "hand_loop_allreduce_after_backward");
+    if (python) {
+      const std::vector<double> python_ms = finish_python_ddp(s, dir, *python);
+      if (python_ms.size() == t.trainer.size()) {
+        emit_row("trainer_vs_python_ddp/2ranks", t.trainer, python_ms, "pytorch_python_ddp_gloo");
+      } else if (!python_ms.empty()) {
+        std::cerr << "bench_train: note: Python DDP rows skipped: " << python_ms.size()
+                  << " rounds from Python, " << t.trainer.size() << " from Loom\n";
+      }
+    }
   }
   std::filesystem::remove_all(dir);
   return 0;
@@ -1066,6 +1201,7 @@ int main(int argc, char** argv) {
   app.add_option("--worker-rank", s.worker_rank, "internal: run as this rank")->group("");
   app.add_option("--store-dir", s.store_dir, "internal: rendezvous directory")->group("");
   app.add_option("--dataset", s.dataset, "internal: the token dataset")->group("");
+  app.add_option("--baton", s.baton, "internal: turn-taking directory with Python DDP")->group("");
   CLI11_PARSE(app, argc, argv);
   const bool trainer = s.mode == "trainer";
   const bool sharding = s.mode == "sharding";
