@@ -134,28 +134,9 @@ void allreduce_typed(const std::shared_ptr<gloo::Context>& context, const at::Te
   LOOM_GLOO_CHECK(gloo::allreduce(options));
 }
 
-// tensor <- op over every rank's tensor, in place. bf16/fp16 accumulate in an fp32 temporary
-// (one conversion each way, so sums of many ranks do not lose bits at every step); kAvg is a
-// sum divided by the group size, in the accumulation dtype.
-// With `shm` (every rank on this host) the reduction runs through shared memory.
-void allreduce_tensor(const std::shared_ptr<gloo::Context>& context, ShmCollectives* shm,
-                      const at::Tensor& tensor, ReduceOp op, uint32_t tag, milliseconds timeout) {
-  switch (tensor.scalar_type()) {
-    case at::kBFloat16:
-    case at::kHalf: {
-      const at::Tensor accumulator = tensor.to(at::kFloat);
-      allreduce_tensor(context, shm, accumulator, op, tag, timeout);
-      tensor.copy_(accumulator);
-      return;
-    }
-    default:
-      break;
-  }
-  if (shm != nullptr) {
-    shm->all_reduce(tensor, op, tag, Clock::now() + timeout);
-    if (op == ReduceOp::kAvg) tensor.div_(context->size);
-    return;
-  }
+// tensor <- op over the tensor of every rank of `context` by gloo's allreduce (kAvg sums).
+void allreduce_gloo(const std::shared_ptr<gloo::Context>& context, const at::Tensor& tensor,
+                    ReduceOp op, uint32_t tag, milliseconds timeout) {
   switch (tensor.scalar_type()) {
     case at::kFloat:
       allreduce_typed<float>(context, tensor, op, tag, timeout);
@@ -175,6 +156,56 @@ void allreduce_tensor(const std::shared_ptr<gloo::Context>& context, ShmCollecti
     default:
       throw InvalidArgument(detail::concat("all_reduce: unsupported dtype ",
                                            internal::dtype_name(tensor.scalar_type())));
+  }
+}
+
+// The hierarchical all_reduce of a group whose ranks span hosts, some of which hold several.
+struct NodeHierarchy {
+  std::unique_ptr<ShmCollectives> local;  // this host's ranks; null when it has only this one
+  std::shared_ptr<GlooContext> leaders;   // one rank per host; set on this host's leader only
+};
+
+// tensor <- op over every rank's tensor, in place. bf16/fp16 accumulate in an fp32 temporary
+// (one conversion each way, so sums of many ranks do not lose bits at every step); kAvg is a
+// sum divided by the group size, in the accumulation dtype.
+// With `shm` (every rank on this host) the reduction runs through shared memory; with `node`
+// it runs through shared memory inside each host, over TCP between the hosts' leaders, and
+// comes back through shared memory (the sum is then in host order: ranks of one host first).
+void allreduce_tensor(const std::shared_ptr<gloo::Context>& context, ShmCollectives* shm,
+                      const NodeHierarchy* node, const at::Tensor& tensor, ReduceOp op,
+                      uint32_t tag, milliseconds timeout) {
+  switch (tensor.scalar_type()) {
+    case at::kBFloat16:
+    case at::kHalf: {
+      const at::Tensor accumulator = tensor.to(at::kFloat);
+      allreduce_tensor(context, shm, node, accumulator, op, tag, timeout);
+      tensor.copy_(accumulator);
+      return;
+    }
+    default:
+      break;
+  }
+  const auto deadline = Clock::now() + timeout;
+  if (shm != nullptr) {
+    shm->all_reduce(tensor, op, tag, deadline);
+  } else if (node != nullptr) {
+    if (node->local != nullptr) node->local->all_reduce(tensor, op, tag, deadline);
+    if (node->leaders != nullptr) {
+      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+      try {
+        allreduce_gloo(node->leaders, tensor, op, tag, std::max(left, milliseconds(1)));
+      } catch (const std::exception& e) {
+        // This host's other ranks wait in the broadcast below: fail them now, not at the deadline.
+        if (node->local != nullptr) {
+          node->local->break_group(
+              detail::concat("the host leader's all_reduce between hosts failed: ", e.what()));
+        }
+        throw;
+      }
+    }
+    if (node->local != nullptr) node->local->broadcast(tensor, 0, tag, deadline);
+  } else {
+    allreduce_gloo(context, tensor, op, tag, timeout);
   }
   if (op == ReduceOp::kAvg) tensor.div_(context->size);  // integers were rejected at issue
 }
@@ -351,21 +382,64 @@ std::shared_ptr<GlooContext> connect_full_mesh(Store& store, const std::string& 
   return context;
 }
 
-// The shared-memory path when it is enabled and every rank is on this host, else null. Each
-// rank publishes its host identity under `prefix`; all compare the same list, so all agree.
-std::unique_ptr<ShmCollectives> connect_shared_memory(Store& store, const std::string& prefix,
-                                                      int rank, int size,
-                                                      const GlooOptions& options,
-                                                      const std::string& description) {
-  if (!options.shared_memory || size == 1) return nullptr;
+// The collectives' shared-memory paths, chosen when the group connects from where its ranks
+// are: `all` when every rank is on this host, `node` when the ranks span hosts and at least one
+// host holds several; neither when the option is off, the group has one rank, or every rank is
+// alone on its host.
+struct FastPaths {
+  std::unique_ptr<ShmCollectives> all;
+  std::unique_ptr<NodeHierarchy> node;
+};
+
+// Each rank publishes its host identity under `prefix`; all read the same list, so all agree.
+// Hosts are numbered in the order of their lowest rank, whose rank leads the host.
+FastPaths connect_fast_paths(Store& store, const std::string& prefix, int rank, int size,
+                             const std::shared_ptr<gloo::transport::Device>& device,
+                             const GlooOptions& options, const std::string& description) {
+  if (!options.shared_memory || size == 1) return {};
   PrefixStore scoped(prefix + "/shm", store);
-  const std::string host = internal::host_identity();
-  scoped.set(detail::concat("host/", rank), host);
+  scoped.set(detail::concat("host/", rank),
+             options.host.empty() ? internal::host_identity() : options.host);
+  std::vector<std::string> hosts;
+  std::vector<int> host_of(size), leaders;  // host index of each rank; each host's lowest rank
+  std::vector<std::vector<int>> ranks_of;   // each host's ranks
   for (int r = 0; r < size; ++r) {
-    if (scoped.get(detail::concat("host/", r), options.connect_timeout) != host) return nullptr;
+    const std::string host = scoped.get(detail::concat("host/", r), options.connect_timeout);
+    const auto found = std::find(hosts.begin(), hosts.end(), host);
+    host_of[r] = static_cast<int>(found - hosts.begin());
+    if (found == hosts.end()) {
+      hosts.push_back(host);
+      leaders.push_back(r);
+      ranks_of.emplace_back();
+    }
+    ranks_of[host_of[r]].push_back(r);
   }
-  return ShmCollectives::connect(scoped, "segment", rank, size, options.shared_memory_slot_bytes,
-                                 options.connect_timeout, description);
+  FastPaths paths;
+  if (hosts.size() == 1) {
+    paths.all =
+        ShmCollectives::connect(scoped, "segment", rank, size, options.shared_memory_slot_bytes,
+                                options.connect_timeout, description);
+    return paths;
+  }
+  if (static_cast<int>(hosts.size()) == size) return paths;  // one rank per host: plain TCP
+  const int host = host_of[rank];
+  const std::vector<int>& local = ranks_of[host];
+  paths.node = std::make_unique<NodeHierarchy>();
+  if (local.size() > 1) {
+    const int local_rank =
+        static_cast<int>(std::find(local.begin(), local.end(), rank) - local.begin());
+    paths.node->local = ShmCollectives::connect(
+        scoped, detail::concat("node/", host, "/segment"), local_rank,
+        static_cast<int>(local.size()), options.shared_memory_slot_bytes, options.connect_timeout,
+        detail::concat(description, " (the ranks on host ", host, ": ", rank_list(local, ", "),
+                       ")"));
+  }
+  if (leaders[host] == rank) {
+    paths.node->leaders = connect_full_mesh(
+        scoped, "leaders", host, static_cast<int>(hosts.size()), device, options.connect_timeout,
+        detail::concat(description, " (host leaders: ranks ", rank_list(leaders, ", "), ")"));
+  }
+  return paths;
 }
 
 // --- the group -------------------------------------------------------------------------------
@@ -403,7 +477,10 @@ class GlooGroup final : public Group {
   WorkPtr recv(at::Tensor& tensor, int src, const SendRecvOptions& options) override;
   std::unique_ptr<Group> new_subgroup(const std::vector<int>& ranks) override;
   const FlightRecorder& flight_recorder() const override { return state_->recorder; }
-  bool uses_shared_memory() const { return shm_ != nullptr; }
+  // gloo_transport()'s answer.
+  const char* transport() const {
+    return fast_.all != nullptr ? "shared memory" : fast_.node != nullptr ? "hierarchical" : "tcp";
+  }
 
  private:
   // A send or recv posted by the worker, waited for by the p2p thread.
@@ -454,8 +531,8 @@ class GlooGroup final : public Group {
   const std::shared_ptr<GroupState> state_;
   const std::shared_ptr<gloo::transport::Device> device_;
   const std::shared_ptr<GlooContext> context_;  // used by the worker and p2p threads only
-  // The collectives' path when every rank is on this host (null otherwise); worker thread only.
-  const std::unique_ptr<ShmCollectives> shm_;
+  // The collectives' shared-memory paths; worker thread only.
+  const FastPaths fast_;
 
   // State below is protected by mutex_. work_ready_ is notified when queue_ grows or stopping_
   // is set; transfer_ready_ when transfers_ grows or p2p_stopping_ is set.
@@ -482,7 +559,8 @@ GlooGroup::GlooGroup(Store& store, std::string store_prefix, int rank, int size,
       device_(std::move(device)),
       context_(connect_full_mesh(store_, store_prefix_, rank, size, device_,
                                  options_.connect_timeout, state_->description)),
-      shm_(connect_shared_memory(store_, store_prefix_, rank, size, options_, state_->description)),
+      fast_(connect_fast_paths(store_, store_prefix_, rank, size, device_, options_,
+                               state_->description)),
       worker_([this] { worker_loop(); }),
       p2p_thread_([this] { p2p_loop(); }) {}
 
@@ -546,7 +624,7 @@ void GlooGroup::worker_loop() {
     ~Attachment() {
       if (shm != nullptr) shm->detach();
     }
-  } attachment(shm_.get());
+  } attachment(fast_.all.get()), local_attachment(fast_.node ? fast_.node->local.get() : nullptr);
   for (;;) {
     Op op;
     bool destroyed = false;
@@ -667,9 +745,9 @@ WorkPtr GlooGroup::all_reduce(at::Tensor& tensor, const AllReduceOptions& option
   internal::check_all_reduce(place(), tensor, options.op);
   Op body;
   body.empty = tensor.numel() == 0;
-  body.run = [context = context_, shm = shm_.get(), tensor, op = options.op,
-              timeout = options.timeout](uint32_t tag) {
-    allreduce_tensor(context, shm, tensor, op, tag, timeout);
+  body.run = [context = context_, shm = fast_.all.get(), node = fast_.node.get(), tensor,
+              op = options.op, timeout = options.timeout](uint32_t tag) {
+    allreduce_tensor(context, shm, node, tensor, op, tag, timeout);
   };
   return enqueue("all_reduce", tensor, {}, options.timeout, std::move(body));
 }
@@ -681,13 +759,13 @@ WorkPtr GlooGroup::all_reduce_coalesced(std::vector<at::Tensor>& tensors,
   for (const at::Tensor& tensor : tensors) total += tensor.numel();
   Op body;
   body.empty = total == 0;
-  body.run = [context = context_, shm = shm_.get(), tensors, op = options.op,
-              timeout = options.timeout](uint32_t tag) {
+  body.run = [context = context_, shm = fast_.all.get(), node = fast_.node.get(), tensors,
+              op = options.op, timeout = options.timeout](uint32_t tag) {
     // One flat copy, one all-reduce, one copy back: fewer, larger messages than one op each.
     std::vector<at::Tensor> flat_views;
     for (const at::Tensor& tensor : tensors) flat_views.push_back(tensor.view(-1));
     const at::Tensor flat = at::cat(flat_views);
-    allreduce_tensor(context, shm, flat, op, tag, timeout);
+    allreduce_tensor(context, shm, node, flat, op, tag, timeout);
     int64_t offset = 0;
     for (const at::Tensor& tensor : tensors) {
       tensor.view(-1).copy_(flat.narrow(0, offset, tensor.numel()));
@@ -705,7 +783,7 @@ WorkPtr GlooGroup::reduce_scatter(at::Tensor& output, const at::Tensor& input,
   Op body;
   body.empty = input.numel() == 0;
   // Gloo has no reduce-scatter for uneven chunks: Loom's ring (reduce_scatter_ring above).
-  body.run = [context = context_, shm = shm_.get(), output, input, op = options.op,
+  body.run = [context = context_, shm = fast_.all.get(), output, input, op = options.op,
               timeout = options.timeout](uint32_t tag) {
     reduce_scatter_tensor(context, shm, input, output, op, tag, timeout);
   };
@@ -717,7 +795,7 @@ WorkPtr GlooGroup::all_gather(at::Tensor& output, const at::Tensor& input,
   internal::check_all_gather(place(), output, input);
   Op body;
   body.empty = input.numel() == 0;
-  body.run = [context = context_, shm = shm_.get(), output, input, timeout = options.timeout](
+  body.run = [context = context_, shm = fast_.all.get(), output, input, timeout = options.timeout](
                  uint32_t tag) { allgather_bytes(context, shm, input, output, tag, timeout); };
   return enqueue("all_gather", input, {}, options.timeout, std::move(body));
 }
@@ -727,7 +805,7 @@ WorkPtr GlooGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor
   internal::check_all_gather(place(), outputs, input);
   Op body;
   body.empty = input.numel() == 0;
-  body.run = [context = context_, shm = shm_.get(), outputs, input,
+  body.run = [context = context_, shm = fast_.all.get(), outputs, input,
               timeout = options.timeout](uint32_t tag) {
     if (shm != nullptr) {  // straight into the outputs
       shm->all_gather(outputs, input, tag, Clock::now() + timeout);
@@ -748,7 +826,7 @@ WorkPtr GlooGroup::broadcast(at::Tensor& tensor, const BroadcastOptions& options
   internal::check_broadcast(place(), tensor, options.root);
   Op body;
   body.empty = tensor.numel() == 0;
-  body.run = [context = context_, shm = shm_.get(), tensor, root = options.root,
+  body.run = [context = context_, shm = fast_.all.get(), tensor, root = options.root,
               timeout = options.timeout](uint32_t tag) {
     if (shm != nullptr) {
       shm->broadcast(tensor, root, tag, Clock::now() + timeout);
@@ -766,7 +844,7 @@ WorkPtr GlooGroup::broadcast(at::Tensor& tensor, const BroadcastOptions& options
 
 WorkPtr GlooGroup::barrier(const BarrierOptions& options) {
   Op body;
-  body.run = [context = context_, shm = shm_.get(), timeout = options.timeout](uint32_t tag) {
+  body.run = [context = context_, shm = fast_.all.get(), timeout = options.timeout](uint32_t tag) {
     if (shm != nullptr) {
       shm->barrier(tag, Clock::now() + timeout);
       return;
@@ -842,7 +920,7 @@ std::unique_ptr<Group> new_gloo_group(Store& store, int rank, int size,
 std::string gloo_transport(const Group& group) {
   const auto* gloo = dynamic_cast<const GlooGroup*>(&group);
   if (gloo == nullptr) return "";
-  return gloo->uses_shared_memory() ? "shared memory" : "tcp";
+  return gloo->transport();
 }
 
 }  // namespace loom::comm

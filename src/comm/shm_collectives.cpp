@@ -315,13 +315,17 @@ void ShmCollectives::detach() {
 
 template <typename E>
 void ShmCollectives::fail(const std::string& why) {
+  break_group(why);
+  throw E(why);
+}
+
+void ShmCollectives::break_group(const std::string& why) {
   int32_t expected = 0;
   if (segment_->claim.compare_exchange_strong(expected, rank_ + 1)) {
     std::snprintf(segment_->reason, sizeof(segment_->reason), "%s", why.c_str());
     segment_->broken_by.store(rank_ + 1, std::memory_order_release);
     for (int r = 0; r < size_; ++r) futex_wake(&control_at(base_, r).arrived);
   }
-  throw E(why);
 }
 
 void ShmCollectives::check_peer(int peer) {

@@ -80,6 +80,11 @@ class ShmCollectives {
   void broadcast(const at::Tensor& tensor, int root, uint64_t tag, Clock::time_point deadline);
   void barrier(uint64_t tag, Clock::time_point deadline);
 
+  // Marks the segment broken (the first reason wins) and wakes every waiter: the peers' ops,
+  // current and later, fail with a CommError quoting `why`. For a failure outside the segment
+  // that its peers wait on (the hierarchical all_reduce's step between hosts).
+  void break_group(const std::string& why);
+
   size_t slot_bytes() const { return slot_bytes_; }
 
   struct Segment;  // the segment's header (shm_collectives.cpp)

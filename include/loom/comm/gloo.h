@@ -21,8 +21,16 @@ struct GlooOptions {
   std::string name = "world";             // the group's name in errors and dumps
   // The intra-node fast path: when every rank of the group is on this host (same kernel boot,
   // network and mount namespace), the collectives run through a shared-memory segment instead
-  // of loopback TCP; send/recv stay on TCP. false: TCP for everything.
+  // of loopback TCP; send/recv stay on TCP. When the ranks span hosts and some share one,
+  // all_reduce is hierarchical: inside each host through shared memory, between one leader per
+  // host (its lowest rank) over TCP, then a broadcast inside each host; the other ops use TCP.
+  // false: TCP for everything.
   bool shared_memory = true;
+  // Which ranks share a host: ranks with equal values. Empty (the default): detected from the
+  // kernel's boot id, the hostname and the network and mount namespaces. Set it where that
+  // detection is wrong for the deployment (containers in separate network namespaces that
+  // share /dev/shm) or to lay out hosts in tests.
+  std::string host;
   // The piece of a tensor one rank moves through shared memory per step; the segment holds
   // size() + 1 of them. 256 KiB keeps a step in the shared cache (measured: 64 KiB to 4 MiB in
   // docs/benchmarks.md).
@@ -40,7 +48,8 @@ std::unique_ptr<Group> new_gloo_group(Store& store, int rank, int size,
                                       const GlooOptions& options = {});
 
 // "shared memory" when `group` is a Gloo group whose collectives run through shared memory,
-// "tcp" for a Gloo group over TCP, "" for any other group.
+// "hierarchical" when its all_reduce runs through shared memory inside each host and TCP
+// between hosts, "tcp" for a Gloo group over TCP, "" for any other group.
 std::string gloo_transport(const Group& group);
 
 }  // namespace loom::comm

@@ -15,8 +15,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <fcntl.h>
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -129,6 +132,155 @@ TEST_P(SharedMemoryWorld, RandomFloatsEqualTheReductionInRankOrderBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shm, SharedMemoryWorld, ::testing::Values(2, 3, 4));
+
+// Groups whose ranks span hosts (laid out through GlooOptions::host), some hosts holding
+// several ranks: all_reduce is hierarchical. Its sum is in host order: each host's ranks in rank
+// order (bitwise, through the host's segment), then the hosts' sums over TCP. With 2 hosts that
+// last sum is one IEEE addition, commutative, so the result is bitwise the reference; with 3
+// gloo's ring adds the host sums in a rotation that depends on the element, so the result is
+// within 2(m - 1)u * sum |x_r| of the reference, m the number of ranks and u the dtype's unit
+// roundoff (any order of m summands is within (m - 1)u * sum |x_r| of the exact sum), plus 2u
+// of the result for kAvg's division. Every other op runs over TCP (reduce_scatter's ring adds
+// in its own order: the same tolerance).
+struct HostLayout {
+  std::vector<std::string> hosts;  // rank r's host
+  std::string name;
+};
+
+class SharedMemoryHosts : public ::testing::TestWithParam<HostLayout> {};
+
+// Each host's ranks in rank order, then the host sums in the order of their lowest rank.
+at::Tensor in_host_order(const std::vector<at::Tensor>& inputs,
+                         const std::vector<std::string>& hosts, ReduceOp op) {
+  std::vector<std::string> seen;
+  std::vector<at::Tensor> host_sums;
+  for (size_t r = 0; r < hosts.size(); ++r) {
+    if (std::find(seen.begin(), seen.end(), hosts[r]) != seen.end()) continue;
+    seen.push_back(hosts[r]);
+    std::vector<at::Tensor> mine;
+    for (size_t k = r; k < hosts.size(); ++k) {
+      if (hosts[k] == hosts[r]) mine.push_back(inputs[k]);
+    }
+    host_sums.push_back(in_rank_order(mine, op == ReduceOp::kAvg ? ReduceOp::kSum : op));
+  }
+  at::Tensor total = in_rank_order(host_sums, op == ReduceOp::kAvg ? ReduceOp::kSum : op);
+  if (op == ReduceOp::kAvg) total.div_(static_cast<int64_t>(inputs.size()));
+  return total;
+}
+
+void expect_within_reordering(const at::Tensor& actual, const at::Tensor& expected,
+                              const std::vector<at::Tensor>& inputs, ReduceOp op,
+                              const std::string& what) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  const double u =
+      actual.scalar_type() == at::kDouble ? std::ldexp(1.0, -53) : std::ldexp(1.0, -24);
+  at::Tensor magnitude = at::zeros_like(inputs[0], at::kDouble);
+  for (const at::Tensor& x : inputs) magnitude += x.to(at::kDouble).abs();
+  if (op == ReduceOp::kAvg) magnitude /= static_cast<double>(inputs.size());
+  const double m = static_cast<double>(inputs.size());
+  const at::Tensor error = (actual.to(at::kDouble) - expected.to(at::kDouble)).abs();
+  const at::Tensor bound = magnitude * (2 * (m - 1) * u) + expected.to(at::kDouble).abs() * (2 * u);
+  const at::Tensor over = error.gt(bound);
+  EXPECT_EQ(over.sum().item<int64_t>(), 0)
+      << what << ": " << over.sum().item<int64_t>() << " elements beyond the reordering bound";
+}
+
+TEST_P(SharedMemoryHosts, AllReduceIsHierarchicalAndEveryOpMatchesTheReference) {
+  const std::vector<std::string>& hosts = GetParam().hosts;
+  const int world = static_cast<int>(hosts.size());
+  const size_t distinct = std::set<std::string>(hosts.begin(), hosts.end()).size();
+  constexpr int64_t n = 10007;
+  expect_all_ok(run_threads(world, [&](Rank& r) {
+    GlooOptions options = small_slots();
+    options.host = hosts[r.rank];
+    auto group = new_gloo_group(r.store, r.rank, r.world, options);
+    ASSERT_EQ(gloo_transport(*group), "hierarchical");
+    for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+      const std::string type = c10::toString(dtype);
+      std::vector<at::Tensor> inputs;
+      for (int k = 0; k < world; ++k) inputs.push_back(random_input(dtype, n, k));
+      const at::Tensor& mine = inputs[r.rank];
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax}) {
+        const std::string what = "all_reduce " + type + " " + to_string(op);
+        at::Tensor tensor = mine.clone();
+        group->all_reduce(tensor, {.op = op, .timeout = kOpTimeout})->wait();
+        const at::Tensor expected = in_host_order(inputs, hosts, op);
+        if (distinct == 2 || op == ReduceOp::kMin || op == ReduceOp::kMax) {
+          expect_bitwise(tensor, expected, what);
+        } else {
+          expect_within_reordering(tensor, expected, inputs, op, what);
+        }
+      }
+      std::vector<at::Tensor> pieces = {mine.narrow(0, 0, 7).clone(),
+                                        mine.narrow(0, 7, n - 7).clone()};
+      group->all_reduce_coalesced(pieces, {.timeout = kOpTimeout})->wait();
+      const at::Tensor sum = in_host_order(inputs, hosts, ReduceOp::kSum);
+      if (distinct == 2) expect_bitwise(at::cat(pieces), sum, "all_reduce_coalesced " + type);
+
+      const ShardRange shard = shard_range(n, world, r.rank);
+      at::Tensor output = at::full({shard.size()}, 99, mine.options());
+      group->reduce_scatter(output, mine, {.timeout = kOpTimeout})->wait();
+      std::vector<at::Tensor> shards;
+      for (const at::Tensor& x : inputs) shards.push_back(x.narrow(0, shard.begin, shard.size()));
+      expect_within_reordering(output, sum.narrow(0, shard.begin, shard.size()), shards,
+                               ReduceOp::kSum, "reduce_scatter " + type);
+      at::Tensor flat = at::zeros({world * n}, mine.options());
+      group->all_gather(flat, mine, {.timeout = kOpTimeout})->wait();
+      expect_bitwise(flat, at::cat(inputs), "all_gather " + type);
+      at::Tensor broadcast = mine.clone();
+      group->broadcast(broadcast, {.root = world - 1, .timeout = kOpTimeout})->wait();
+      expect_bitwise(broadcast, inputs[world - 1], "broadcast " + type);
+    }
+    // bf16 accumulates in fp32 on this path too (see Bf16SumsAccumulateInFp32).
+    at::Tensor tensor = at::full({3000}, r.rank == 0 ? 1.0 : 1.0 / 256, at::kBFloat16);
+    at::Tensor expected = at::full({3000}, 1.0 + (world - 1) / 256.0, at::kFloat).to(at::kBFloat16);
+    group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+    expect_bitwise(tensor, expected, "all_reduce bf16");
+    group->barrier({.timeout = kOpTimeout})->wait();
+    // Connected, the host segments are unlinked too.
+    EXPECT_EQ(internal::shared_memory_segments(::getpid()), std::vector<std::string>{});
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shm, SharedMemoryHosts,
+                         ::testing::Values(HostLayout{{"a", "a", "b"}, "AAB"},
+                                           HostLayout{{"a", "a", "b", "b"}, "AABB"},
+                                           HostLayout{{"a", "b", "b", "a"}, "ABBA"},
+                                           HostLayout{{"a", "b", "c", "c"}, "ABCC"}),
+                         [](const ::testing::TestParamInfo<HostLayout>& info) {
+                           return info.param.name;
+                         });
+
+// Hosts {0, 1} and {2}: rank 2 leaves. Rank 0, the leader of the first host, fails in the step
+// between hosts and breaks its host's segment, so rank 1, waiting in the broadcast inside the
+// host, fails at once too (a CommError quoting the leader's failure) instead of at its deadline.
+TEST(SharedMemory, AHostThatLeavesFailsEveryRankOfTheOtherHostAtOnce) {
+  const std::vector<std::string> hosts = {"a", "a", "b"};
+  expect_all_ok(run_threads(3, [&](Rank& r) {
+    GlooOptions options = small_slots();
+    options.host = hosts[r.rank];
+    auto group = new_gloo_group(r.store, r.rank, r.world, options);
+    if (r.rank == 2) {
+      group.reset();
+      r.store.set("left", "1");
+      return;
+    }
+    r.store.get("left", kOpTimeout);
+    at::Tensor tensor = at::ones({100});
+    const Clock::time_point start = Clock::now();
+    try {
+      group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+      ADD_FAILURE() << "an all_reduce without the other host succeeded";
+    } catch (const CommError& e) {
+      const std::string what = e.what();
+      if (r.rank == 1) {
+        EXPECT_NE(what.find("the host leader's all_reduce between hosts failed"), std::string::npos)
+            << what;
+      }
+    }
+    EXPECT_LT(Clock::now() - start, milliseconds(5000));
+  }));
+}
 
 // 1 + 2^-8 + 2^-8: in bf16 each partial sum is a tie that rounds to even (1.0, then 1.0 again);
 // accumulated in fp32 the sum is 1 + 2^-7, which bf16 holds exactly.
