@@ -1,5 +1,6 @@
 // The Gloo backend with ranks as real processes: every op and dtype per world size in one run
-// (each child loads torch once), and a rank killed in the middle of a loop of all-reduces.
+// (each child loads torch once), random floats through the shared-memory path, and a rank
+// killed in the middle of a loop of all-reduces.
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -45,6 +46,22 @@ TEST_P(GlooGroupProcesses, EveryOpAndDtypeMatchesReference) {
                         auto sub = group->new_subgroup(evens);
                         ref::check_ops(*sub, at::kFloat, 7, ++salt, milliseconds(20000));
                       }
+                    },
+                    {.timeout = std::chrono::seconds(90)}));
+}
+
+// The shared-memory path with ranks as processes: random floats through 4 KiB slots (10007
+// elements: dozens of pieces, uneven shards), bitwise against the reduction in rank order.
+TEST_P(GlooGroupProcesses, RandomFloatsThroughSharedMemoryEqualTheReductionInRankOrder) {
+  loom::testing::expect_all_ok(
+      run_processes(GetParam(),
+                    [](Rank& r) {
+                      GlooOptions options;
+                      options.connect_timeout = std::chrono::seconds(30);
+                      options.shared_memory_slot_bytes = 4096;
+                      auto group = new_gloo_group(r.store, r.rank, r.world, options);
+                      ASSERT_EQ(gloo_transport(*group), "shared memory");
+                      ref::check_random_floats_in_rank_order(*group, 10007, milliseconds(20000));
                     },
                     {.timeout = std::chrono::seconds(90)}));
 }

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
@@ -443,7 +444,13 @@ TEST_F(Launcher, NodesInSeparateNetworkNamespaces) {
   EXPECT_EQ(finish(nodes[0]), 0) << nodes[0].text();
   const auto probes = wait_probes(dir, 1, 4, std::chrono::seconds(1));
   ASSERT_EQ(probes.size(), 4u) << nodes[0].text() << nodes[1].text();
-  for (const json& p : probes) EXPECT_EQ(p["sum"], 10.0);
+  for (const json& p : probes) {
+    EXPECT_EQ(p["sum"], 10.0);
+    // Two ranks per namespace: shared memory inside each "node", TCP between them.
+    EXPECT_EQ(p["transport"], "hierarchical");
+    // Four floats in [0, 1): three roundings, each at most 2^-24 of a partial sum below 4.
+    EXPECT_LE(p["max_error"].get<double>(), 3 * 4 * std::ldexp(1.0, -24)) << p.dump();
+  }
 }
 
 // --tls-* for a node certificate `c` of the job's CA.

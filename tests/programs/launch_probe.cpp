@@ -1,5 +1,7 @@
 // A worker for the launcher tests: joins the world group through Runtime (the coordinator's
-// store under `loom run`), all-reduces its rank, records what it saw in
+// store under `loom run`), all-reduces its rank and a tensor of random floats (every rank draws
+// every rank's, so it can compare the group's sum with the exact one in double), records what
+// it saw (sums, the largest error, the world group's transport) in
 // <run_dir>/probe/gen<g>_rank<r>.json, then runs `probe.steps` steps of `probe.step_ms`,
 // reporting progress through the heartbeat. With probe.kill_pid it then SIGKILLs that process
 // (a test's way to take the coordinator away at a known moment) before exiting.
@@ -7,6 +9,7 @@
 #include <unistd.h>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <chrono>
 #include <csignal>
@@ -28,6 +31,16 @@ int main(int argc, char** argv) {
     loom::comm::Group& group = rt.world_group();
     at::Tensor t = at::full({4}, static_cast<float>(rt.rank() + 1));
     group.all_reduce(t)->wait();
+    std::vector<at::Tensor> inputs;
+    for (int r = 0; r < rt.world_size(); ++r) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + r);
+      inputs.push_back(at::rand({4096}, gen));
+    }
+    at::Tensor exact = at::zeros({4096}, at::kDouble);
+    for (const at::Tensor& x : inputs) exact += x.to(at::kDouble);
+    at::Tensor random = inputs[rt.rank()].clone();
+    group.all_reduce(random)->wait();
+    const double max_error = (random.to(at::kDouble) - exact).abs().max().item<double>();
     const int64_t ready_ms = now_ms();
     const int64_t generation = rt.topology().generation;
     const auto dir = rt.run_dir() / "probe";
@@ -38,6 +51,8 @@ int main(int argc, char** argv) {
       std::ofstream(file.string() + ".tmp")
           << "{\"rank\": " << rt.rank() << ", \"world\": " << rt.world_size()
           << ", \"generation\": " << generation << ", \"sum\": " << t[0].item<float>()
+          << ", \"max_error\": " << max_error << ", \"transport\": \""
+          << loom::comm::gloo_transport(group) << "\""
           << ", \"pid\": " << ::getpid() << ", \"ready_ms\": " << ready_ms << "}\n";
       std::filesystem::rename(file.string() + ".tmp", file);
     }

@@ -2,13 +2,18 @@
 // a Group against it. Shared by the thread tests (unit/comm/gloo_group_test.cpp) and the
 // process tests (integration/gloo_group_process_test.cpp).
 //
-// Inputs are small integers (|x| <= 8), exact in every dtype and in every summation order, so
-// every comparison is bitwise: kAvg divides the same exact sum by the same size on both sides.
+// check_ops' inputs are small integers (|x| <= 8), exact in every dtype and in every summation
+// order, so every comparison is bitwise: kAvg divides the same exact sum by the same size on
+// both sides. check_random_floats_in_rank_order takes random floats of many magnitudes, for
+// the paths whose reductions run in rank order.
 #pragma once
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -161,6 +166,93 @@ inline void check_ops(comm::Group& group, at::ScalarType dtype, int64_t n, int s
     expect_same(received, inputs[prev], describe("send/recv", dtype, n));
   }
 
+  group.barrier({.timeout = timeout})->wait();
+}
+
+// --- random floats ------------------------------------------------------------------------
+
+inline void expect_bitwise(const at::Tensor& actual, const at::Tensor& expected,
+                           const std::string& what) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  ASSERT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
+  const at::Tensor differs = actual.ne(expected);
+  EXPECT_EQ(differs.sum().item<int64_t>(), 0)
+      << what << ": " << differs.sum().item<int64_t>() << " of " << actual.numel()
+      << " elements differ, the first at " << differs.nonzero().slice(0, 0, 1);
+}
+
+// Rank r's random input: normal floats of several magnitudes, so sums round.
+inline at::Tensor random_input(at::ScalarType dtype, int64_t n, int rank) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + rank);
+  return (at::randn({n}, gen, at::kDouble) * at::exp(at::randn({n}, gen, at::kDouble) * 3))
+      .to(dtype);
+}
+
+// The reduction as one process computes it: ((x0 op x1) op x2) ..., in the input dtype.
+inline at::Tensor in_rank_order(const std::vector<at::Tensor>& inputs, comm::ReduceOp op) {
+  at::Tensor acc = inputs[0].clone();
+  for (size_t r = 1; r < inputs.size(); ++r) {
+    if (op == comm::ReduceOp::kMax) {
+      acc = at::maximum(acc, inputs[r]);
+    } else if (op == comm::ReduceOp::kMin) {
+      acc = at::minimum(acc, inputs[r]);
+    } else {
+      acc = acc + inputs[r];
+    }
+  }
+  if (op == comm::ReduceOp::kAvg) acc.div_(static_cast<int64_t>(inputs.size()));
+  return acc;
+}
+
+// Every collective of `group` on random floats (float and double, n elements; the shards uneven
+// unless W divides n), bitwise against the reduction in rank order: for a group whose every
+// element is reduced by one rank in rank order (the shared-memory path). Every rank calls it.
+inline void check_random_floats_in_rank_order(comm::Group& group, int64_t n,
+                                              std::chrono::milliseconds timeout) {
+  using comm::ReduceOp;
+  const int world = group.size();
+  const int rank = group.rank();
+  for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const std::string type = c10::toString(dtype);
+    std::vector<at::Tensor> inputs;
+    for (int k = 0; k < world; ++k) inputs.push_back(random_input(dtype, n, k));
+    const at::Tensor& mine = inputs[rank];
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax}) {
+      at::Tensor tensor = mine.clone();
+      group.all_reduce(tensor, {.op = op, .timeout = timeout})->wait();
+      expect_bitwise(tensor, in_rank_order(inputs, op), "all_reduce " + type + " " + to_string(op));
+    }
+    const comm::ShardRange shard = comm::shard_range(n, world, rank);
+    const at::Tensor expected_shard =
+        in_rank_order(inputs, ReduceOp::kSum).narrow(0, shard.begin, shard.size());
+    at::Tensor output = at::full({shard.size()}, 99, mine.options());
+    group.reduce_scatter(output, mine, {.timeout = timeout})->wait();
+    expect_bitwise(output, expected_shard, "reduce_scatter " + type);
+    // The output a view of the input, as ZeRO's shard of its bucket is.
+    at::Tensor bucket = mine.clone();
+    at::Tensor view = bucket.narrow(0, shard.begin, shard.size());
+    group.reduce_scatter(view, bucket.clone(), {.timeout = timeout})->wait();
+    expect_bitwise(view, expected_shard, "reduce_scatter into a view of another tensor " + type);
+    at::Tensor in_place = mine.clone();
+    at::Tensor in_place_view = in_place.narrow(0, shard.begin, shard.size());
+    group.reduce_scatter(in_place_view, in_place, {.timeout = timeout})->wait();
+    expect_bitwise(in_place_view, expected_shard,
+                   "reduce_scatter into a view of its input " + type);
+
+    at::Tensor flat = at::zeros({world * n}, mine.options());
+    group.all_gather(flat, mine, {.timeout = timeout})->wait();
+    expect_bitwise(flat, at::cat(inputs), "all_gather " + type);
+    std::vector<at::Tensor> outputs;
+    for (int k = 0; k < world; ++k) outputs.push_back(at::zeros({n}, mine.options()));
+    group.all_gather(outputs, mine, {.timeout = timeout})->wait();
+    for (int k = 0; k < world; ++k) {
+      expect_bitwise(outputs[k], inputs[k],
+                     "all_gather list " + type + " from " + std::to_string(k));
+    }
+    at::Tensor broadcast = mine.clone();
+    group.broadcast(broadcast, {.root = world - 1, .timeout = timeout})->wait();
+    expect_bitwise(broadcast, inputs[world - 1], "broadcast " + type);
+  }
   group.barrier({.timeout = timeout})->wait();
 }
 

@@ -26,6 +26,7 @@
 #include "harness/harness.h"
 #include "loom/comm/gloo.h"
 #include "loom/error.h"
+#include "unit/comm/collective_reference.h"
 
 namespace loom::comm {
 namespace {
@@ -35,6 +36,10 @@ using loom::testing::Rank;
 using loom::testing::run_threads;
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
+namespace ref = loom::testing::collectives;
+using ref::expect_bitwise;
+using ref::in_rank_order;
+using ref::random_input;
 
 constexpr milliseconds kOpTimeout{20000};
 
@@ -45,89 +50,14 @@ GlooOptions small_slots(size_t slot_bytes = 4096) {
   return options;
 }
 
-void expect_bitwise(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
-  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
-  ASSERT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
-  const at::Tensor differs = actual.ne(expected);
-  EXPECT_EQ(differs.sum().item<int64_t>(), 0)
-      << what << ": " << differs.sum().item<int64_t>() << " of " << actual.numel()
-      << " elements differ, the first at " << differs.nonzero().slice(0, 0, 1);
-}
-
-// Rank r's random input: normal floats of several magnitudes, so sums round.
-at::Tensor random_input(at::ScalarType dtype, int64_t n, int rank) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + rank);
-  return (at::randn({n}, gen, at::kDouble) * at::exp(at::randn({n}, gen, at::kDouble) * 3))
-      .to(dtype);
-}
-
-// The reduction as one process computes it: ((x0 op x1) op x2) ..., in the input dtype.
-at::Tensor in_rank_order(const std::vector<at::Tensor>& inputs, ReduceOp op) {
-  at::Tensor acc = inputs[0].clone();
-  for (size_t r = 1; r < inputs.size(); ++r) {
-    if (op == ReduceOp::kMax) {
-      acc = at::maximum(acc, inputs[r]);
-    } else if (op == ReduceOp::kMin) {
-      acc = at::minimum(acc, inputs[r]);
-    } else {
-      acc = acc + inputs[r];
-    }
-  }
-  if (op == ReduceOp::kAvg) acc.div_(static_cast<int64_t>(inputs.size()));
-  return acc;
-}
-
 class SharedMemoryWorld : public ::testing::TestWithParam<int> {};
 
 // 10007 elements through 4 KiB slots: each op takes dozens of pieces, and the shards are uneven.
 TEST_P(SharedMemoryWorld, RandomFloatsEqualTheReductionInRankOrderBitwise) {
-  const int world = GetParam();
-  constexpr int64_t n = 10007;
-  expect_all_ok(run_threads(world, [&](Rank& r) {
+  expect_all_ok(run_threads(GetParam(), [&](Rank& r) {
     auto group = new_gloo_group(r.store, r.rank, r.world, small_slots());
     ASSERT_EQ(gloo_transport(*group), "shared memory");
-    for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
-      const std::string type = c10::toString(dtype);
-      std::vector<at::Tensor> inputs;
-      for (int k = 0; k < world; ++k) inputs.push_back(random_input(dtype, n, k));
-      const at::Tensor& mine = inputs[r.rank];
-      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax}) {
-        at::Tensor tensor = mine.clone();
-        group->all_reduce(tensor, {.op = op, .timeout = kOpTimeout})->wait();
-        expect_bitwise(tensor, in_rank_order(inputs, op),
-                       "all_reduce " + type + " " + to_string(op));
-      }
-      const ShardRange shard = shard_range(n, world, r.rank);
-      const at::Tensor expected_shard =
-          in_rank_order(inputs, ReduceOp::kSum).narrow(0, shard.begin, shard.size());
-      at::Tensor output = at::full({shard.size()}, 99, mine.options());
-      group->reduce_scatter(output, mine, {.timeout = kOpTimeout})->wait();
-      expect_bitwise(output, expected_shard, "reduce_scatter " + type);
-      // The output a view of the input, as ZeRO's shard of its bucket is.
-      at::Tensor bucket = mine.clone();
-      at::Tensor view = bucket.narrow(0, shard.begin, shard.size());
-      group->reduce_scatter(view, bucket.clone(), {.timeout = kOpTimeout})->wait();
-      at::Tensor in_place = mine.clone();
-      at::Tensor in_place_view = in_place.narrow(0, shard.begin, shard.size());
-      group->reduce_scatter(in_place_view, in_place, {.timeout = kOpTimeout})->wait();
-      expect_bitwise(in_place_view, expected_shard,
-                     "reduce_scatter into a view of its input " + type);
-
-      at::Tensor flat = at::zeros({world * n}, mine.options());
-      group->all_gather(flat, mine, {.timeout = kOpTimeout})->wait();
-      expect_bitwise(flat, at::cat(inputs), "all_gather " + type);
-      std::vector<at::Tensor> outputs;
-      for (int k = 0; k < world; ++k) outputs.push_back(at::zeros({n}, mine.options()));
-      group->all_gather(outputs, mine, {.timeout = kOpTimeout})->wait();
-      for (int k = 0; k < world; ++k) {
-        expect_bitwise(outputs[k], inputs[k],
-                       "all_gather list " + type + " from " + std::to_string(k));
-      }
-      at::Tensor broadcast = mine.clone();
-      group->broadcast(broadcast, {.root = world - 1, .timeout = kOpTimeout})->wait();
-      expect_bitwise(broadcast, inputs[world - 1], "broadcast " + type);
-    }
-    group->barrier({.timeout = kOpTimeout})->wait();
+    ref::check_random_floats_in_rank_order(*group, 10007, kOpTimeout);
   }));
 }
 
