@@ -33,7 +33,7 @@ struct Settings {
   int64_t max_bytes = int64_t{256} << 20;
   int step = 4;  // size multiplier between cases
   std::vector<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"};
-  double seconds = 0.05;                    // target time per measured block
+  double seconds = 0.1;                     // target time of the slower side's block
   int rounds = 7;                           // measured rounds per side
   std::string transport = "auto";           // Loom's side: auto (shared memory on one host) or tcp
   int64_t slot_bytes = int64_t{256} << 10;  // GlooOptions::shared_memory_slot_bytes
@@ -107,10 +107,16 @@ double time_block(loom::comm::Group& sync, const OpFn& fn, int iters) {
 // of this size's slots and scratch).
 double time_once(loom::comm::Group& sync, const OpFn& fn) { return time_block(sync, fn, 1); }
 
-// The same on every rank: derived from the size alone, so ranks agree without talking.
-int iterations_for(int64_t bytes, double seconds) {
-  double per_op_guess = 2e-3 + static_cast<double>(bytes) / 0.5e9;  // loopback Gloo, roughly
-  return std::clamp(static_cast<int>(seconds / per_op_guess), 3, 200);
+// Calls per round, from one warm call of each side: the slower side's block lasts about
+// `seconds`, but the faster side's at least 10 ms (a block of a few fast calls is all noise), and
+// the slower side's at most 1 s. The largest over the ranks, so that every rank runs as many.
+int calls_per_round(loom::comm::Group& group, double loom_s, double c10d_s, double seconds) {
+  const double slow = std::max(loom_s, c10d_s), fast = std::min(loom_s, c10d_s);
+  double calls = std::max(seconds / slow, 0.01 / fast);
+  calls = std::clamp(std::min(calls, 1.0 / slow), 3.0, 100000.0);
+  at::Tensor agreed = at::full({1}, std::ceil(calls), at::kDouble);
+  group.all_reduce(agreed, {.op = loom::comm::ReduceOp::kMax})->wait();
+  return static_cast<int>(agreed.item<double>());
 }
 
 // One side's figures at one size: the cold call and the per-op mean of each measured round.
@@ -172,7 +178,8 @@ void run_worker(const Settings& s) {
             : "Gloo over loopback TCP");
     std::printf(
         "each case: 1 cold call per side, then %d interleaved rounds (the side that goes first "
-        "alternates), each round the mean of a block of calls; us = median over rounds, spread = "
+        "alternates), each round the mean of a block of calls (as many on both sides); us = median "
+        "over rounds, spread = "
         "(max - min) / median; ratio = median c10d / median loom; algo: same = both sides run "
         "the same gloo algorithm, so the ratio is overhead alone\n",
         s.rounds);
@@ -198,10 +205,11 @@ void run_worker(const Settings& s) {
       b.parts = b.full.chunk(n);
       OpFn loom_fn = loom_op(*group, op, b);
       OpFn c10d_fn = c10d_op(c10d_group, op, b);
-      int iters = iterations_for(numel * 4, s.seconds);
       Side loom, c10d;
       loom.cold_s = time_once(*group, loom_fn);
       c10d.cold_s = time_once(*group, c10d_fn);
+      const int iters = calls_per_round(*group, time_once(*group, loom_fn),
+                                        time_once(*group, c10d_fn), s.seconds);
       for (int round = 0; round < s.rounds; ++round) {
         if (round % 2 == 0) loom.rounds_s.push_back(time_block(*group, loom_fn, iters));
         c10d.rounds_s.push_back(time_block(*group, c10d_fn, iters));
@@ -326,7 +334,8 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "broadcast"}));
   app.add_option("--seconds", s.seconds,
-                 "target seconds per measured block (one round of one side)");
+                 "target seconds of the slower side's block of calls in a round (the faster side's "
+                 "lasts at least 10 ms)");
   app.add_option("--rounds", s.rounds,
                  "measured rounds per side, interleaved; median and spread over them")
       ->check(CLI::Range(1, 1000));
