@@ -61,10 +61,14 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(
           std::chrono::milliseconds(rt.config().get<int64_t>("probe.step_ms")));
     }
+    const int code = static_cast<int>(rt.config().get<int64_t>("probe.exit_code"));
     if (const auto pid = rt.config().get<int64_t>("probe.kill_pid"); pid > 0) {
       ::kill(static_cast<pid_t>(pid), SIGKILL);
+      // Fail at once, as a crash right after the kill would: std::exit's static destructors
+      // can take longer than the agent's heartbeat interval, and the test wants the agent to
+      // see this exit before its next heartbeat finds the coordinator gone.
+      if (code != 0) std::_Exit(code);
     }
-    const int code = static_cast<int>(rt.config().get<int64_t>("probe.exit_code"));
     if (code != 0) std::exit(code);
   });
 }
