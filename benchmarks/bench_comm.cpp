@@ -1,8 +1,11 @@
-// bench_comm: Loom's Gloo collectives beside libtorch's own c10d ProcessGroupGloo, measured in
-// the same run by the same processes (N ranks as processes on this machine, TCP over loopback),
-// in the style of nccl-tests: size, time, algorithm and bus bandwidth, and the ratio
-// c10d time / Loom time (above 1: Loom is faster). Both sit on the same libgloo, so the ratio
-// measures each one's own overhead.
+// bench_comm: Loom's CPU collectives beside libtorch's own c10d ProcessGroupGloo, measured in
+// the same run by the same processes (N ranks as processes on this machine), in the style of
+// nccl-tests: size, time, algorithm and bus bandwidth, and the ratio c10d time / Loom time
+// (above 1: Loom is faster). c10d runs Gloo over loopback TCP; Loom runs its shared-memory
+// path (the default for ranks on one host) or, with --transport=tcp, the same Gloo over TCP,
+// where all_reduce, all_gather and broadcast are the same gloo calls on both sides and the
+// ratio measures each one's own overhead. Rounds interleave the two sides; the median over
+// rounds, the spread and the cold call are reported (docs/benchmarks.md, "Method").
 //
 //   bench_comm                       2 ranks, 8 B .. 256 MiB, all four ops, table
 //   bench_comm --ranks=4 --json      JSON rows
