@@ -432,7 +432,8 @@ FastPaths connect_fast_paths(Store& store, const std::string& prefix, int rank, 
         scoped, detail::concat("node/", host, "/segment"), local_rank,
         static_cast<int>(local.size()), options.shared_memory_slot_bytes, options.connect_timeout,
         detail::concat(description, " (the ranks on host ", host, ": ", rank_list(local, ", "),
-                       ")"));
+                       ")"),
+        local);
   }
   if (leaders[host] == rank) {
     paths.node->leaders = connect_full_mesh(

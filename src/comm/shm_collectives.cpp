@@ -155,7 +155,9 @@ std::vector<std::string> shared_memory_segments(int pid) {
 std::unique_ptr<ShmCollectives> ShmCollectives::connect(Store& store, const std::string& prefix,
                                                         int rank, int size, size_t slot_bytes,
                                                         milliseconds timeout,
-                                                        const std::string& description) {
+                                                        const std::string& description,
+                                                        std::vector<int> group_ranks) {
+  const auto named = [&](int r) { return group_ranks.empty() ? r : group_ranks[r]; };
   slot_bytes = round_up(std::max<size_t>(slot_bytes, kPage), kPage);
   const size_t total = segment_bytes(size, slot_bytes);
   const std::string name_key = prefix + "/name";
@@ -244,7 +246,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::connect(Store& store, const std:
       ::munmap(base, total);
       std::vector<int> missing;
       for (int r = 1; r < size; ++r) {
-        if (!store.check({mapped_key(r)})) missing.push_back(r);
+        if (!store.check({mapped_key(r)})) missing.push_back(named(r));
       }
       throw Timeout(detail::concat("group ", description, ": rank(s) [", rank_list(missing, ", "),
                                    "] did not map the shared-memory segment within ",
@@ -266,23 +268,25 @@ std::unique_ptr<ShmCollectives> ShmCollectives::connect(Store& store, const std:
       store.wait({unlinked_key}, timeout);
     } catch (const Timeout&) {
       ::munmap(base, total);
-      throw Timeout(detail::concat("group ", description, ": rank 0 did not confirm within ",
-                                   timeout.count(),
+      throw Timeout(detail::concat("group ", description, ": rank ", named(0),
+                                   " did not confirm within ", timeout.count(),
                                    " ms that every rank mapped the shared-memory segment"));
     }
   }
   return std::unique_ptr<ShmCollectives>(
-      new ShmCollectives(rank, size, slot_bytes, base, total, description));
+      new ShmCollectives(rank, size, slot_bytes, base, total, description, std::move(group_ranks)));
 }
 
 ShmCollectives::ShmCollectives(int rank, int size, size_t slot_bytes, void* base,
-                               size_t mapped_bytes, std::string description)
+                               size_t mapped_bytes, std::string description,
+                               std::vector<int> group_ranks)
     : rank_(rank),
       size_(size),
       slot_bytes_(slot_bytes),
       base_(base),
       mapped_bytes_(mapped_bytes),
       description_(std::move(description)),
+      group_ranks_(std::move(group_ranks)),
       segment_(static_cast<Segment*>(base)),
       spins_(size <= static_cast<int>(std::thread::hardware_concurrency()) ? kSpins : 0),
       yields_(spins_ == 0 ? kYields : 0) {}
@@ -331,7 +335,7 @@ void ShmCollectives::break_group(const std::string& why) {
 void ShmCollectives::check_peer(int peer) {
   const int32_t by = segment_->broken_by.load(std::memory_order_acquire);
   if (by != 0 && by != rank_ + 1) {
-    throw CommError(detail::concat("rank ", by - 1, " broke the group: ", segment_->reason));
+    throw CommError(detail::concat("rank ", named(by - 1), " broke the group: ", segment_->reason));
   }
   Control& c = control_at(base_, peer);
   uint32_t state = c.state.load(std::memory_order_acquire);
@@ -349,11 +353,11 @@ void ShmCollectives::check_peer(int peer) {
   }
   const auto pid = c.pid.load(std::memory_order_relaxed);
   if (state == kDetached) {
-    fail<CommError>(detail::concat("rank ", peer, " (pid ", pid,
+    fail<CommError>(detail::concat("rank ", named(peer), " (pid ", pid,
                                    ") left the group (destroyed it) before this op completed"));
   }
   fail<CommError>(detail::concat(
-      "rank ", peer, " (pid ", pid,
+      "rank ", named(peer), " (pid ", pid,
       ") died: its process exited or was killed while this rank waited for it (the kernel "
       "released its alive mutex in the shared-memory segment)"));
 }
@@ -378,7 +382,7 @@ void ShmCollectives::wait_for(int peer, uint32_t target, Clock::time_point deadl
     const Clock::time_point now = Clock::now();
     if (now >= deadline) {
       fail<Timeout>(detail::concat(
-          "Timed out waiting for rank ", peer,
+          "Timed out waiting for rank ", named(peer),
           " in the shared-memory path: it did not reach the same point of this op (it is slow, "
           "stuck, or did not issue this collective)"));
     }
@@ -404,7 +408,7 @@ void ShmCollectives::sync(Clock::time_point deadline) {
   for (int r = 0; r < size_; ++r) {
     if (control_at(base_, r).tags[parity].load(std::memory_order_relaxed) != tag_) {
       fail<CommError>(detail::concat(
-          "rank ", r,
+          "rank ", named(r),
           " issued a different collective at this point (another op, dtype, element "
           "count or sequence number): the ranks diverged; `loom flight diff` over the flight "
           "dumps names the first op where they did"));

@@ -51,11 +51,13 @@ class ShmCollectives {
 
   // Creates (rank 0) or maps (the others) the group's segment; the name travels through `store`
   // under `prefix`. Collective over the `size` ranks; Timeout naming the missing ranks after
-  // `timeout`. `description` names the group in errors.
+  // `timeout`. `description` names the group in errors, and `group_ranks[r]` the segment's rank
+  // r (the ranks of one host in a larger group; empty: r itself).
   static std::unique_ptr<ShmCollectives> connect(Store& store, const std::string& prefix, int rank,
                                                  int size, size_t slot_bytes,
                                                  std::chrono::milliseconds timeout,
-                                                 const std::string& description);
+                                                 const std::string& description,
+                                                 std::vector<int> group_ranks = {});
   ~ShmCollectives();
   ShmCollectives(const ShmCollectives&) = delete;
   ShmCollectives& operator=(const ShmCollectives&) = delete;
@@ -91,7 +93,9 @@ class ShmCollectives {
 
  private:
   ShmCollectives(int rank, int size, size_t slot_bytes, void* base, size_t mapped_bytes,
-                 std::string description);
+                 std::string description, std::vector<int> group_ranks);
+  // How errors name the segment's rank r.
+  int named(int r) const { return group_ranks_.empty() ? r : group_ranks_[r]; }
 
   template <typename T>
   void all_reduce_typed(T* data, int64_t n, ReduceOp op, Clock::time_point deadline);
@@ -122,6 +126,7 @@ class ShmCollectives {
   void* const base_;
   const size_t mapped_bytes_;
   const std::string description_;
+  const std::vector<int> group_ranks_;
   Segment* const segment_;
   const int spins_;   // busy-wait iterations before a wait yields or sleeps
   const int yields_;  // sched_yield()s before a wait sleeps

@@ -212,6 +212,41 @@ TEST(SharedMemory, AHostThatLeavesFailsEveryRankOfTheOtherHostAtOnce) {
   }));
 }
 
+// Hosts {0, 2} and {1}: rank 2, the second rank of the first host, leaves. Rank 0 fails in the
+// step inside its host, and the error names rank 2 by its rank in the group, not by its place
+// on the host.
+TEST(SharedMemory, ARankThatLeavesItsHostIsNamedByItsGroupRank) {
+  const std::vector<std::string> hosts = {"a", "b", "a"};
+  expect_all_ok(run_threads(3, [&](Rank& r) {
+    GlooOptions options = small_slots();
+    options.host = hosts[r.rank];
+    auto group = new_gloo_group(r.store, r.rank, r.world, options);
+    ASSERT_EQ(gloo_transport(*group), "hierarchical");
+    if (r.rank == 2) {
+      group.reset();
+      r.store.set("left", "1");
+      return;
+    }
+    if (r.rank == 1) {  // the other host: waits until rank 0 has seen the failure
+      r.store.get("seen", kOpTimeout);
+      return;
+    }
+    r.store.get("left", kOpTimeout);
+    at::Tensor tensor = at::ones({100});
+    const Clock::time_point start = Clock::now();
+    try {
+      group->all_reduce(tensor, {.timeout = kOpTimeout})->wait();
+      ADD_FAILURE() << "an all_reduce without rank 2 succeeded";
+    } catch (const CommError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 2 (pid "), std::string::npos) << what;
+      EXPECT_NE(what.find("left the group"), std::string::npos) << what;
+    }
+    EXPECT_LT(Clock::now() - start, milliseconds(5000));
+    r.store.set("seen", "1");
+  }));
+}
+
 // 1 + 2^-8 + 2^-8: in bf16 each partial sum is a tie that rounds to even (1.0, then 1.0 again);
 // accumulated in fp32 the sum is 1 + 2^-7, which bf16 holds exactly.
 TEST(SharedMemory, Bf16SumsAccumulateInFp32) {
