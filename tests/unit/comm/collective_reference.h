@@ -1,6 +1,7 @@
 // The single-process libtorch reference for collectives, and one sweep that checks every op of
-// a Group against it. Shared by the thread tests (unit/comm/gloo_group_test.cpp) and the
-// process tests (integration/gloo_group_process_test.cpp).
+// a Group against it. Shared by the thread tests (unit/comm/gloo_group_test.cpp,
+// unit/comm/shm_collectives_test.cpp) and the process tests
+// (integration/gloo_group_process_test.cpp).
 //
 // check_ops' inputs are small integers (|x| <= 8), exact in every dtype and in every summation
 // order, so every comparison is bitwise: kAvg divides the same exact sum by the same size on
