@@ -195,6 +195,26 @@ inline double relative_error(const at::Tensor& a, const at::Tensor& b) {
   return (fa - fb).abs().max().item<double>() / (scale > 0 ? scale : 1.0);
 }
 
+// Per element: |actual - expected| <= rtol * (|expected| + rms(expected)), in fp64. The rms
+// floor is what makes a per-element check meaningful in fp32: an element that is a sum of
+// terms of the tensor's typical size, summed in another order (over ranks, or by another
+// blocking of a matmul), carries rounding errors of that size even where the terms cancel to
+// nearly zero. A failure names the worst element (index, both values) and how many fail.
+inline void expect_close_per_element(const at::Tensor& actual, const at::Tensor& expected,
+                                     const std::string& what, double rtol = 1e-5) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  const at::Tensor a = actual.detach().to(at::kDouble).reshape({-1});
+  const at::Tensor e = expected.detach().to(at::kDouble).reshape({-1});
+  const double rms = e.numel() == 0 ? 0.0 : e.square().mean().sqrt().item<double>();
+  const at::Tensor excess = (a - e).abs() - rtol * (e.abs() + rms);
+  const int64_t failing = (excess > 0).sum().item<int64_t>();
+  if (failing == 0) return;
+  const int64_t worst = excess.argmax().item<int64_t>();
+  ADD_FAILURE() << what << ": " << failing << " of " << e.numel() << " elements beyond " << rtol
+                << " x (|expected| + rms " << rms << "); the worst, element " << worst << ": "
+                << a[worst].item<double>() << " against " << e[worst].item<double>();
+}
+
 // Every parameter of `model` within `tolerance` of the reference (bitwise when 0).
 inline void expect_parameters_match(Mlp& model, const std::map<std::string, at::Tensor>& expected,
                                     double tolerance, const std::string& what) {

@@ -1,0 +1,168 @@
+// Tensor and sequence parallelism, Megatron's scheme: layers whose weights are split over the
+// ranks of a tensor-parallel group, and the communication "regions" between them.
+//
+//   comm::Group& tp = mesh.group("tp");
+//   ColumnParallelLinear fc(384, 1536, &tp);  // weight [1536 / tp, 384]; output split on the
+//   RowParallelLinear proj(1536, 384, &tp);   // last dim; proj's input is split the same way
+//   at::Tensor y = proj(torch::gelu(fc(x)));  // one all-reduce in forward, one in backward
+//
+// A column-parallel linear splits its output features (weight rows) over the ranks, a
+// row-parallel one its input features (weight columns); a column-parallel layer followed by a
+// row-parallel one needs one all-reduce in forward (after the row-parallel matmul) and one in
+// backward (of the column-parallel layer's input gradient). The vocabulary-parallel embedding
+// splits the vocabulary rows; vocab_parallel_cross_entropy takes logits split over the
+// vocabulary and never gathers them. With sequence parallelism the activations between those
+// pairs (LayerNorm, dropout, residual) are split along the sequence instead of replicated: the
+// all-reduce becomes a reduce-scatter along the sequence and the entry an all-gather, the same
+// bytes moved and 1/tp of the activation memory (Korthikanti et al., 2022).
+//
+// Every layer takes a `comm::Group*`: null (or a group of one rank) is the plain layer, bitwise
+// torch::nn::Linear / Embedding. Parameter names are those of torch::nn::Linear and Embedding
+// ("weight", "bias"), so a model keeps its names under any tensor-parallel size. Weights are
+// initialised by the caller: reset_from_full(full weight, full bias) takes this rank's shard of
+// tensors that are the same on every rank. All communication is blocking (each call waits for
+// its collective, up to `timeout`) and runs in the autograd order of backward, which is the
+// same on every rank of a group for the same graph. The group must outlive the layers; a layer
+// is used from one thread at a time.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+
+#include "loom/comm/group.h"
+
+namespace loom::parallel::tp {
+
+using std::chrono::milliseconds;
+
+// The regions, each an autograd function over `group` (null: the identity both ways).
+// Forward identity, backward all-reduce of the gradient: where a replicated input enters
+// column-parallel layers.
+at::Tensor copy_to_region(const at::Tensor& x, comm::Group* group,
+                          milliseconds timeout = comm::kDefaultCollectiveTimeout);
+// Forward all-reduce (sum), backward identity: after row-parallel layers.
+at::Tensor reduce_from_region(const at::Tensor& x, comm::Group* group,
+                              milliseconds timeout = comm::kDefaultCollectiveTimeout);
+// Forward all-gather along `dim` (every rank's piece, in rank order), backward this rank's
+// piece of the gradient.
+at::Tensor gather_from_region(const at::Tensor& x, int64_t dim, comm::Group* group,
+                              milliseconds timeout = comm::kDefaultCollectiveTimeout);
+// Forward this rank's piece along `dim`, backward all-gather of the gradient.
+at::Tensor scatter_to_region(const at::Tensor& x, int64_t dim, comm::Group* group,
+                             milliseconds timeout = comm::kDefaultCollectiveTimeout);
+// Sequence parallelism: forward all-gather along `dim`, backward reduce-scatter of the
+// gradient along it (where sequence-split activations enter column-parallel layers).
+at::Tensor gather_sequence(const at::Tensor& x, int64_t dim, comm::Group* group,
+                           milliseconds timeout = comm::kDefaultCollectiveTimeout);
+// Forward reduce-scatter (sum) along `dim`, backward all-gather (after row-parallel layers).
+at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, comm::Group* group,
+                                   milliseconds timeout = comm::kDefaultCollectiveTimeout);
+
+// This rank's piece along `dim` of a tensor that is the same on every rank: the dim is cut
+// into `partitions` equal sections and the rank takes its 1/size of each, concatenated (a
+// fused [q; k; v] weight keeps each rank's heads of all three with partitions = 3).
+// InvalidArgument naming `what`, the dim's size and the group's size when it does not divide.
+at::Tensor shard(const at::Tensor& full, int64_t dim, const comm::Group* group,
+                 int64_t partitions = 1, const std::string& what = "tensor");
+
+struct ColumnParallelOptions {
+  bool bias = true;
+  // Gather the output along its last dim so every rank has all features (the usual last
+  // layer); false keeps each rank's features for a following row-parallel layer.
+  bool gather_output = false;
+  // The input is split along `sequence_dim` (sequence parallelism) and is all-gathered first.
+  bool sequence_parallel = false;
+  int64_t sequence_dim = 1;  // [batch, sequence, features]
+  // Sections of the output features sharded separately (3 for a fused q, k, v projection).
+  int64_t partitions = 1;
+  milliseconds timeout = comm::kDefaultCollectiveTimeout;
+};
+
+// y = x W^T + b with W [out / size, in] on each rank: this rank's output features.
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  // InvalidArgument naming the layer's sizes when out_features is not divisible by
+  // partitions * group size.
+  ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, comm::Group* group,
+                           ColumnParallelOptions options = {});
+  at::Tensor forward(const at::Tensor& x);
+  // Sets the weight [out, in] and bias [out] from the full tensors (the same on every rank).
+  void reset_from_full(const at::Tensor& weight, const at::Tensor& bias);
+
+  at::Tensor weight, bias;  // [out / size, in], [out / size] (undefined without bias)
+  int64_t in_features, out_features;
+
+ private:
+  comm::Group* group_;
+  ColumnParallelOptions options_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+struct RowParallelOptions {
+  bool bias = true;  // added once, after the reduction (replicated)
+  // The input is already split along its last dim (a column-parallel layer's output); false
+  // scatters a replicated input first.
+  bool input_is_parallel = true;
+  // Reduce-scatter the output along `sequence_dim` instead of all-reducing it.
+  bool sequence_parallel = false;
+  int64_t sequence_dim = 1;
+  milliseconds timeout = comm::kDefaultCollectiveTimeout;
+};
+
+// y = sum over ranks of x_r W_r^T, + b, with W_r [out, in / size]: every rank gets all output
+// features (or, sequence parallel, its piece of the sequence).
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  RowParallelLinearImpl(int64_t in_features, int64_t out_features, comm::Group* group,
+                        RowParallelOptions options = {});
+  at::Tensor forward(const at::Tensor& x);
+  void reset_from_full(const at::Tensor& weight, const at::Tensor& bias);
+
+  at::Tensor weight, bias;  // [out, in / size], [out] (undefined without bias)
+  int64_t in_features, out_features;
+
+ private:
+  comm::Group* group_;
+  RowParallelOptions options_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+// An embedding whose rows (the vocabulary) are split over the ranks: rank r holds ids
+// [r * V / size, (r + 1) * V / size); each rank looks up the ids it holds, zeros elsewhere,
+// and one all-reduce (or, sequence parallel, a reduce-scatter along the sequence) sums them.
+class VocabParallelEmbeddingImpl : public torch::nn::Module {
+ public:
+  VocabParallelEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, comm::Group* group,
+                             bool sequence_parallel = false, int64_t sequence_dim = 1,
+                             milliseconds timeout = comm::kDefaultCollectiveTimeout);
+  at::Tensor forward(const at::Tensor& ids);
+  void reset_from_full(const at::Tensor& weight);
+  // [first, end) of the vocabulary this rank holds.
+  int64_t vocab_begin() const { return vocab_begin_; }
+  int64_t vocab_end() const { return vocab_begin_ + weight.size(0); }
+
+  at::Tensor weight;  // [V / size, dim]
+  int64_t num_embeddings, embedding_dim;
+
+ private:
+  comm::Group* group_;
+  int64_t vocab_begin_;
+  bool sequence_parallel_;
+  int64_t sequence_dim_;
+  milliseconds timeout_;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// The cross-entropy of every position from logits split over the vocabulary: `logits` [..., V
+// / size] holds this rank's vocabulary range [vocab_begin, vocab_begin + V / size), `targets`
+// [...] global ids. Returns the per-position loss [...] (not reduced), the same on every rank,
+// in logits' dtype. Two all-reduces (the max, then the sum of exponentials with the target's
+// logit); the full logits are never gathered. Gradients flow to `logits` (softmax minus the
+// one-hot target, this rank's columns).
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                        int64_t vocab_begin, comm::Group* group,
+                                        milliseconds timeout = comm::kDefaultCollectiveTimeout);
+
+}  // namespace loom::parallel::tp
