@@ -7,7 +7,9 @@
 // scaled_dot_product_attention. Not thread-safe (a torch module); one training thread uses it.
 #pragma once
 
+#include <loom/comm/group.h>
 #include <loom/metrics/flops.h>
+#include <loom/parallel/tensor_parallel.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -25,27 +27,45 @@ struct GptConfig {
   int64_t n_embd = 128;       // C = H * Q
 };
 
+// Tensor parallelism (Megatron's layout, loom/parallel/tensor_parallel.h): each of the tp
+// group's ranks holds 1/tp of the vocabulary (the embedding and the tied head), of the heads
+// (qkv column-parallel by head, proj row-parallel) and of the MLP's hidden features (fc
+// column-, fc_proj row-parallel); LayerNorms and position embeddings are replicated.
+// sequence_parallel also splits the activations outside attention and the MLP along the
+// sequence (T must be divisible by tp). Null: the plain model. Parameter names and, for one
+// seed, the initial weights (each rank's shard of them) are the same at every tp size.
+struct GptParallel {
+  loom::comm::Group* tp = nullptr;  // must outlive the model
+  bool sequence_parallel = false;
+};
+
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
-  explicit CausalSelfAttentionImpl(const GptConfig& config);
-  torch::Tensor forward(const torch::Tensor& x);  // [B, T, C] -> [B, T, C]
+  CausalSelfAttentionImpl(const GptConfig& config, const GptParallel& parallel);
+  // [B, T, C] -> [B, T, C] (sequence parallel: [B, T / tp, C] both).
+  torch::Tensor forward(const torch::Tensor& x);
 
-  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  loom::parallel::tp::ColumnParallelLinear qkv{nullptr};  // [q; k; v], this rank's heads of each
+  loom::parallel::tp::RowParallelLinear proj{nullptr};
 
  private:
-  int64_t n_head_;
+  int64_t n_head_;        // this rank's heads
   torch::Tensor future_;  // [T, T] bool, true above the diagonal (positions not to attend)
 };
 TORCH_MODULE(CausalSelfAttention);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const GptConfig& config);
+  BlockImpl(const GptConfig& config, const GptParallel& parallel);
   torch::Tensor forward(torch::Tensor x);
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
-  torch::nn::Linear fc{nullptr}, fc_proj{nullptr};
+  loom::parallel::tp::ColumnParallelLinear fc{nullptr};
+  loom::parallel::tp::RowParallelLinear fc_proj{nullptr};
+
+ private:
+  GptParallel parallel_;
 };
 TORCH_MODULE(Block);
 
@@ -53,14 +73,33 @@ class GptImpl : public torch::nn::Module {
  public:
   // Weights are initialised as GPT-2's: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)),
   // biases 0, from torch's global generator (Runtime seeds it).
-  explicit GptImpl(const GptConfig& config);
+  // Under tensor parallelism every rank of the tp group builds it with the same generator
+  // state. ConfigError naming the sizes when heads, vocabulary or MLP width do not divide by tp.
+  explicit GptImpl(const GptConfig& config, const GptParallel& parallel = {});
 
-  // Token ids [B, T] (T <= seq_len) -> logits [B, T, vocab].
+  // Token ids [B, T] (T <= seq_len) -> logits [B, T, vocab] (gathered under tensor
+  // parallelism: for generation and evaluation, not for the training loss).
   torch::Tensor forward(const torch::Tensor& idx);
-  // Mean cross-entropy of predicting `targets` [B, T] from `idx` [B, T].
+  // Mean cross-entropy of predicting `targets` [B, T] from `idx` [B, T]; under tensor
+  // parallelism from vocabulary-split logits, never gathered (the same value on every rank).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
 
-  // Parameters, the tied embedding/head counted once.
+  // The cross-entropy of `targets` from this rank's logits (local_logits' [B, T, V / tp]).
+  torch::Tensor loss_from_logits(const torch::Tensor& logits, const torch::Tensor& targets);
+
+  // Pipeline stages (loom/parallel/pipeline.h): blocks [begin, end), with the embeddings
+  // before them when begin is 0 (token ids [B, T] in) and the final LayerNorm and the tied
+  // head after them when end is n_layer (this rank's logits [B, T, V / tp] out, for
+  // loss_from_logits); hidden states [B, T, C] in and out otherwise.
+  torch::Tensor forward_stage(const torch::Tensor& input, int64_t begin, int64_t end);
+  // The parameters forward_stage(., begin, end) uses (the token embedding on the first and on
+  // the last stage: its gradients there must be summed between them).
+  std::vector<torch::Tensor> stage_parameters(int64_t begin, int64_t end);
+  // Virtual stage `stage` of `stages`' blocks, [begin, end): n_layer / stages each; ConfigError
+  // naming both numbers when they do not divide.
+  static std::pair<int64_t, int64_t> stage_layers(const GptConfig& config, int stage, int stages);
+
+  // This rank's parameters, the tied embedding/head counted once.
   int64_t num_params() const;
   // The shape for MFU: N = num_params(), N_emb = the position embeddings (the token embedding
   // is also the head, a matmul; see loom/metrics/flops.h), T = seq_len.
@@ -75,13 +114,18 @@ class GptImpl : public torch::nn::Module {
 
   const GptConfig& config() const { return config_; }
 
-  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  loom::parallel::tp::VocabParallelEmbedding wte{nullptr};  // also the head
+  torch::nn::Embedding wpe{nullptr};
   // A Sequential, so that wrapped blocks (FSDP units, activation checkpointing) run unchanged.
   torch::nn::Sequential blocks{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
 
  private:
+  // This rank's vocabulary columns of the logits, [B, T, V / tp], from hidden states.
+  torch::Tensor local_logits(const torch::Tensor& hidden);
+
   GptConfig config_;
+  GptParallel parallel_;
 };
 TORCH_MODULE(Gpt);
 

@@ -26,6 +26,7 @@
 #include "loom/parallel/fsdp.h"
 #include "loom/parallel/mesh.h"
 #include "loom/parallel/optim.h"
+#include "loom/parallel/pipeline.h"
 #include "loom/parallel/strategy.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/parallel/zero.h"

@@ -24,6 +24,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -50,13 +51,17 @@ constexpr uint64_t kSendRecvSlotBase = uint64_t{0x40} << 56;
 // Loom's own ring collectives (reduce_scatter) use a third prefix.
 constexpr uint64_t kRingSlotBase = uint64_t{0x20} << 56;
 
-// gloo reports an op that ran past its own deadline as an IoException "Timed out waiting ...":
-// that is a Timeout, like a Work wait that passes its deadline first (which of the two fires
-// first is a race when both have the op's timeout), not a broken connection.
+// gloo reports an op that ran past its own deadline as an IoException "Timed out waiting ..."
+// (or, for a pending send or recv, "Application timeout caused pair closure"): that is a
+// Timeout, like a Work wait that passes its deadline first (which of the two fires first is a
+// race when both have the op's timeout), not a broken connection.
 [[noreturn]] void throw_gloo_error(const char* call, const char* what, const char* file, int line) {
   const std::string where = std::filesystem::path(file).filename().string();
   const std::string message = detail::concat(call, " failed: ", what, " [", where, ":", line, "]");
-  if (std::strstr(what, "Timed out") != nullptr) throw Timeout(message);
+  if (std::strstr(what, "Timed out") != nullptr ||
+      std::strstr(what, "timeout caused pair closure") != nullptr) {
+    throw Timeout(message);
+  }
   throw CommError(message);
 }
 
@@ -449,7 +454,8 @@ FastPaths connect_fast_paths(Store& store, const std::string& prefix, int rank, 
 using internal::GroupState;
 
 // Thread safety: the public methods are called from one user thread at a time (Group's
-// contract); the worker and p2p threads share state with it only as declared below.
+// contract); the worker thread and the transfer waiters share state with it only as declared
+// below.
 class GlooGroup final : public Group {
  public:
   // Connects the group; blocks up to options.connect_timeout. `store` must outlive the group.
@@ -484,7 +490,7 @@ class GlooGroup final : public Group {
   }
 
  private:
-  // A send or recv posted by the worker, waited for by the p2p thread.
+  // A send or recv posted by the worker, waited for on a thread of its own.
   struct Transfer {
     std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
     at::Tensor tensor;  // keeps the memory alive while the transfer is pending
@@ -498,7 +504,7 @@ class GlooGroup final : public Group {
     uint32_t tag = 0;    // collective_tag(): the Gloo slot this op's messages use
     // Collectives: runs to completion on the worker thread, given the op's gloo tag.
     std::function<void(uint32_t tag)> run;
-    // Send/recv: posts the transfer on the worker thread; the p2p thread waits for it.
+    // Send/recv: posts the transfer on the worker thread; a waiter thread waits for it.
     std::function<Transfer()> post;
   };
   struct PendingTransfer {
@@ -515,7 +521,11 @@ class GlooGroup final : public Group {
                    timeout, std::move(body));
   }
   void worker_loop();
-  void p2p_loop();
+  // Waits for one posted transfer and completes its op (a waiter thread's body). Each transfer
+  // has its own waiter so that transfers complete in any order: a send completes only once its
+  // peer posts the matching recv, which the peer may do after waiting for a later transfer of
+  // ours (a pipeline's activations one way and gradients the other).
+  void wait_transfer(PendingTransfer& pending);
   void run_op(Op& op);
   void finish(Op& op, std::exception_ptr error);
   // Completes op with CommError (or Timeout when timed_out) naming it; marks the group broken.
@@ -531,23 +541,25 @@ class GlooGroup final : public Group {
   const GlooOptions options_;
   const std::shared_ptr<GroupState> state_;
   const std::shared_ptr<gloo::transport::Device> device_;
-  const std::shared_ptr<GlooContext> context_;  // used by the worker and p2p threads only
+  const std::shared_ptr<GlooContext> context_;  // used by the worker and waiter threads only
   // The collectives' shared-memory paths; worker thread only.
   const FastPaths fast_;
 
+  // Called from the user thread only: the count of collectives issued (not sends and recvs,
+  // whose number differs between ranks), from which a collective's Gloo tag derives.
+  uint64_t collectives_issued_ = 0;
+
   // State below is protected by mutex_. work_ready_ is notified when queue_ grows or stopping_
-  // is set; transfer_ready_ when transfers_ grows or p2p_stopping_ is set.
+  // is set; waiters_done_ when waiters_ drops.
   std::mutex mutex_;
   std::condition_variable work_ready_;
-  std::condition_variable transfer_ready_;
+  std::condition_variable waiters_done_;
   std::deque<Op> queue_;
-  std::deque<PendingTransfer> transfers_;
-  gloo::transport::UnboundBuffer* waiting_on_ = nullptr;  // the transfer p2p_thread_ waits for
-  bool stopping_ = false;      // the destructor runs: fail what has not started
-  bool p2p_stopping_ = false;  // the worker has exited: the p2p thread may exit when idle
+  std::multiset<gloo::transport::UnboundBuffer*> waiting_on_;  // transfers being waited for
+  int waiters_ = 0;        // waiter threads alive (they touch this object until they decrement it)
+  bool stopping_ = false;  // the destructor runs: fail what has not started, abort waits
 
-  std::thread worker_;      // runs worker_loop; started last, joined by the destructor
-  std::thread p2p_thread_;  // runs p2p_loop
+  std::thread worker_;  // runs worker_loop; started last, joined by the destructor
 };
 
 GlooGroup::GlooGroup(Store& store, std::string store_prefix, int rank, int size,
@@ -562,28 +574,23 @@ GlooGroup::GlooGroup(Store& store, std::string store_prefix, int rank, int size,
                                  options_.connect_timeout, state_->description)),
       fast_(connect_fast_paths(store_, store_prefix_, rank, size, device_, options_,
                                state_->description)),
-      worker_([this] { worker_loop(); }),
-      p2p_thread_([this] { p2p_loop(); }) {}
+      worker_([this] { worker_loop(); }) {}
 
 GlooGroup::~GlooGroup() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
-    if (waiting_on_ != nullptr) {
-      waiting_on_->abortWaitSend();
-      waiting_on_->abortWaitRecv();
+    for (gloo::transport::UnboundBuffer* buffer : waiting_on_) {
+      buffer->abortWaitSend();
+      buffer->abortWaitRecv();
     }
   }
   work_ready_.notify_all();
-  transfer_ready_.notify_all();
   // A collective in flight ends when its peers close their connections or its timeout passes.
   worker_.join();
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    p2p_stopping_ = true;
-  }
-  transfer_ready_.notify_all();
-  p2p_thread_.join();
+  // Transfers posted before stopping_ was seen are aborted as they start waiting.
+  std::unique_lock<std::mutex> lock(mutex_);
+  waiters_done_.wait(lock, [this] { return waiters_ == 0; });
 }
 
 WorkPtr GlooGroup::enqueue(const char* op, const std::string& dtype, int64_t numel,
@@ -591,7 +598,9 @@ WorkPtr GlooGroup::enqueue(const char* op, const std::string& dtype, int64_t num
   std::string label_peers = peers.empty() ? "" : ", peer rank " + rank_list(peers, ", ");
   const std::string signature = detail::concat(op, "|", dtype, "|", numel, "|", label_peers);
   const uint64_t sequence = state_->recorder.enqueue(op, dtype, numel, std::move(peers));
-  body.tag = collective_tag(sequence, signature);
+  // Collectives meet on a tag from their own count, so that a group whose ranks send and
+  // receive different numbers of tensors (a pipeline's stages) still matches its collectives.
+  body.tag = body.post ? 0 : collective_tag(++collectives_issued_, signature);
   body.label =
       detail::concat(op, " #", sequence, " (",
                      dtype.empty() ? "no data" : detail::concat(dtype, ", ", numel, " elements"),
@@ -658,11 +667,19 @@ void GlooGroup::run_op(Op& op) {
       finish(op, nullptr);
     } else if (op.post) {
       Transfer transfer = op.post();
+      auto pending =
+          std::make_shared<PendingTransfer>(PendingTransfer{std::move(op), std::move(transfer)});
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        transfers_.push_back(PendingTransfer{std::move(op), std::move(transfer)});
+        gloo::transport::UnboundBuffer* buffer = pending->transfer.buffer.get();
+        waiting_on_.insert(buffer);
+        ++waiters_;
+        if (stopping_) {  // the destructor's aborts have run: this wait ends at once
+          buffer->abortWaitSend();
+          buffer->abortWaitRecv();
+        }
       }
-      transfer_ready_.notify_one();
+      std::thread([this, pending] { wait_transfer(*pending); }).detach();
     } else {
       op.run(op.tag);  // the same on every rank that is in step
       // The op's tensors are released before the Work completes: a caller that drops its
@@ -677,50 +694,40 @@ void GlooGroup::run_op(Op& op) {
   }
 }
 
-void GlooGroup::p2p_loop() {
-  for (;;) {
-    PendingTransfer pending;
-    bool destroyed = false;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      transfer_ready_.wait(lock, [this] { return p2p_stopping_ || !transfers_.empty(); });
-      if (transfers_.empty()) return;
-      pending = std::move(transfers_.front());
-      transfers_.pop_front();
-      destroyed = stopping_;
-      if (!destroyed) waiting_on_ = pending.transfer.buffer.get();
-    }
-    if (destroyed) {
-      fail(pending.op, "the group was destroyed while the transfer was pending");
-      continue;
-    }
-    std::string error;
-    bool timed_out = false;
-    try {
-      const Transfer& transfer = pending.transfer;
-      const milliseconds left =
-          std::max(milliseconds{1},
-                   std::chrono::duration_cast<milliseconds>(transfer.deadline - Clock::now()));
-      bool done = false;
-      LOOM_GLOO_CHECK(done = transfer.is_send ? transfer.buffer->waitSend(left)
-                                              : transfer.buffer->waitRecv(left));
-      if (!done) error = "the group was destroyed while the transfer was pending";
-    } catch (const Timeout& e) {
-      error = e.what();
-      timed_out = true;
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      waiting_on_ = nullptr;
-    }
-    if (error.empty()) {
-      finish(pending.op, nullptr);
-    } else {
-      fail(pending.op, error, timed_out);
-    }
+void GlooGroup::wait_transfer(PendingTransfer& pending) {
+  gloo::transport::UnboundBuffer* buffer = pending.transfer.buffer.get();
+  std::string error;
+  bool timed_out = false;
+  try {
+    const Transfer& transfer = pending.transfer;
+    const milliseconds left =
+        std::max(milliseconds{1},
+                 std::chrono::duration_cast<milliseconds>(transfer.deadline - Clock::now()));
+    bool done = false;
+    LOOM_GLOO_CHECK(done = transfer.is_send ? transfer.buffer->waitSend(left)
+                                            : transfer.buffer->waitRecv(left));
+    if (!done) error = "the group was destroyed while the transfer was pending";
+  } catch (const Timeout& e) {
+    error = e.what();
+    timed_out = true;
+  } catch (const std::exception& e) {
+    error = e.what();
   }
+  {  // no abort reaches the buffer once it is out of the set; then it goes
+    std::lock_guard<std::mutex> lock(mutex_);
+    waiting_on_.erase(waiting_on_.find(buffer));
+  }
+  pending.transfer = Transfer();
+  if (error.empty()) {
+    finish(pending.op, nullptr);
+  } else {
+    fail(pending.op, error, timed_out);
+  }
+  pending.op = Op();
+  // Last: the destructor may finish as soon as waiters_ is 0.
+  std::lock_guard<std::mutex> lock(mutex_);
+  --waiters_;
+  waiters_done_.notify_all();
 }
 
 void GlooGroup::finish(Op& op, std::exception_ptr error) {

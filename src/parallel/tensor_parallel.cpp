@@ -197,6 +197,41 @@ at::Tensor shard(const at::Tensor& full, int64_t dim, const comm::Group* group, 
   return at::cat(pieces, dim).contiguous();
 }
 
+ShardSpec shard_spec(const torch::nn::Module& module, const std::string& name) {
+  if (const auto* column = dynamic_cast<const ColumnParallelLinearImpl*>(&module)) {
+    return {.dim = 0, .partitions = column->options().partitions};
+  }
+  if (dynamic_cast<const RowParallelLinearImpl*>(&module) != nullptr) {
+    return name == "weight" ? ShardSpec{.dim = 1} : ShardSpec{};
+  }
+  if (dynamic_cast<const VocabParallelEmbeddingImpl*>(&module) != nullptr) return {.dim = 0};
+  return {};
+}
+
+std::vector<ShardedParameter> sharded_parameters(const torch::nn::Module& root) {
+  std::vector<ShardedParameter> out;
+  auto add_own = [&](const std::string& prefix, const torch::nn::Module& module) {
+    for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+      out.push_back({prefix.empty() ? item.key() : prefix + "." + item.key(), item.value(),
+                     shard_spec(module, item.key())});
+    }
+  };
+  add_own("", root);
+  // Pre-order, as named_parameters() visits them; without the root (not yet in a shared_ptr
+  // while it is being constructed).
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    add_own(item.key(), *item.value());
+  }
+  return out;
+}
+
+std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
+                                const comm::Group* group) {
+  std::vector<int64_t> shape = local.sizes().vec();
+  if (!spec.replicated()) shape[static_cast<size_t>(spec.dim)] *= size_of(group);
+  return shape;
+}
+
 // ---- ColumnParallelLinear ----
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, comm::Group* group,

@@ -67,6 +67,29 @@ at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, comm::Group
 at::Tensor shard(const at::Tensor& full, int64_t dim, const comm::Group* group,
                  int64_t partitions = 1, const std::string& what = "tensor");
 
+// How a parameter is split over the ranks: along `dim`, in `partitions` sections each cut into
+// group-size pieces (shard()'s arguments); dim -1: replicated.
+struct ShardSpec {
+  int64_t dim = -1;
+  int64_t partitions = 1;
+  bool replicated() const { return dim < 0; }
+};
+// The split of `module`'s own parameter `name` ("weight", "bias"): the rules of the layers
+// below for them, replicated for every other module.
+ShardSpec shard_spec(const torch::nn::Module& module, const std::string& name);
+// A parameter of a module tree with its dotted name and split.
+struct ShardedParameter {
+  std::string name;  // as named_parameters() names it
+  at::Tensor tensor;
+  ShardSpec spec;
+};
+// Every parameter of `root`, in named_parameters() order, with its split. Usable inside the
+// root's constructor (it does not need the root in a shared_ptr).
+std::vector<ShardedParameter> sharded_parameters(const torch::nn::Module& root);
+// The shape of the whole tensor of which `local` is this rank's piece under `spec`.
+std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
+                                const comm::Group* group);
+
 struct ColumnParallelOptions {
   bool bias = true;
   // Gather the output along its last dim so every rank has all features (the usual last
@@ -90,6 +113,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   // Sets the weight [out, in] and bias [out] from the full tensors (the same on every rank).
   void reset_from_full(const at::Tensor& weight, const at::Tensor& bias);
+  const ColumnParallelOptions& options() const { return options_; }
 
   at::Tensor weight, bias;  // [out / size, in], [out / size] (undefined without bias)
   int64_t in_features, out_features;

@@ -199,20 +199,28 @@ inline double relative_error(const at::Tensor& a, const at::Tensor& b) {
 // floor is what makes a per-element check meaningful in fp32: an element that is a sum of
 // terms of the tensor's typical size, summed in another order (over ranks, or by another
 // blocking of a matmul), carries rounding errors of that size even where the terms cancel to
-// nearly zero. A failure names the worst element (index, both values) and how many fail.
-inline void expect_close_per_element(const at::Tensor& actual, const at::Tensor& expected,
-                                     const std::string& what, double rtol = 1e-5) {
-  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+// nearly zero. elements_beyond counts the elements outside the bound; expect_close_per_element
+// fails naming the worst element (index, both values) and how many are outside.
+inline at::Tensor excess_over(const at::Tensor& actual, const at::Tensor& expected, double rtol) {
   const at::Tensor a = actual.detach().to(at::kDouble).reshape({-1});
   const at::Tensor e = expected.detach().to(at::kDouble).reshape({-1});
   const double rms = e.numel() == 0 ? 0.0 : e.square().mean().sqrt().item<double>();
-  const at::Tensor excess = (a - e).abs() - rtol * (e.abs() + rms);
+  return (a - e).abs() - rtol * (e.abs() + rms);
+}
+inline int64_t elements_beyond(const at::Tensor& actual, const at::Tensor& expected, double rtol) {
+  return (excess_over(actual, expected, rtol) > 0).sum().item<int64_t>();
+}
+inline void expect_close_per_element(const at::Tensor& actual, const at::Tensor& expected,
+                                     const std::string& what, double rtol = 1e-5) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  const at::Tensor excess = excess_over(actual, expected, rtol);
   const int64_t failing = (excess > 0).sum().item<int64_t>();
   if (failing == 0) return;
   const int64_t worst = excess.argmax().item<int64_t>();
-  ADD_FAILURE() << what << ": " << failing << " of " << e.numel() << " elements beyond " << rtol
-                << " x (|expected| + rms " << rms << "); the worst, element " << worst << ": "
-                << a[worst].item<double>() << " against " << e[worst].item<double>();
+  ADD_FAILURE() << what << ": " << failing << " of " << excess.numel() << " elements beyond "
+                << rtol << " x (|expected| + rms); the worst, element " << worst << ": "
+                << actual.detach().reshape({-1})[worst].item<double>() << " against "
+                << expected.detach().reshape({-1})[worst].item<double>();
 }
 
 // Every parameter of `model` within `tolerance` of the reference (bitwise when 0).

@@ -1,0 +1,463 @@
+// The GPT under tensor (and sequence) parallelism, alone and under DataParallel over a dp x tp
+// mesh, with ranks as threads and as processes, against the plain model trained in one process
+// on the same (concatenated) batches: the same initial weights for one seed at every tp size
+// (bitwise), then losses at every step, the first step's gradients and every parameter after
+// the last step per element; and sizes that do not divide, named.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
+#include <set>
+
+#include "harness/harness.h"
+#include "loom/comm/gloo.h"
+#include "loom/error.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/parallel/mesh.h"
+#include "loom/parallel/pipeline.h"
+#include "model.h"
+#include "unit/parallel/equivalence.h"
+
+namespace gpt {
+namespace {
+
+namespace tp = loom::parallel::tp;
+using loom::parallel::DataParallel;
+using loom::parallel::DeviceMesh;
+using loom::parallel::Pipeline;
+using loom::parallel::Schedule;
+using loom::testing::expect_all_ok;
+using loom::testing::Rank;
+using loom::testing::run_processes;
+using loom::testing::run_threads;
+using loom::testing::parallel::elements_beyond;
+using loom::testing::parallel::expect_close_per_element;
+
+GptConfig tiny() {
+  return {.vocab_size = 64, .seq_len = 16, .n_layer = 2, .n_head = 4, .n_embd = 32};
+}
+constexpr int kSteps = 4;
+constexpr int64_t kRowsPerReplica = 3;
+
+// torch's global generator is shared by the rank threads: one model is built at a time.
+std::mutex construction;
+Gpt build(const GptParallel& parallel, const GptConfig& config = tiny()) {
+  std::lock_guard<std::mutex> lock(construction);
+  torch::manual_seed(2024);
+  return Gpt(config, parallel);
+}
+
+// Step `step`'s batch of `replicas` x kRowsPerReplica sequences: inputs and next tokens.
+std::pair<at::Tensor, at::Tensor> batch(int step, int replicas) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+  const at::Tensor tokens =
+      at::randint(tiny().vocab_size, {kRowsPerReplica * replicas, tiny().seq_len + 1}, gen);
+  return {tokens.narrow(1, 0, tiny().seq_len), tokens.narrow(1, 1, tiny().seq_len)};
+}
+
+enum class Optimizer { kSgd, kAdamW };
+constexpr double kAdamLr = 3e-3;
+
+struct Trained {
+  std::vector<double> losses;
+  std::map<std::string, at::Tensor> initial, first_gradients, final;
+};
+
+std::map<std::string, at::Tensor> copy_parameters(Gpt& model) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model->named_parameters())
+    out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+// torch::optim on this rank's own parameters, on the whole batch of `replicas` replicas (the
+// plain model), or on it with tensor parallelism: SGD and AdamW are elementwise, so sharded
+// parameters step as the matching slices of the whole model's would.
+Trained train(Gpt& model, Optimizer which, int replicas = 1) {
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (which == Optimizer::kSgd) {
+    opt = std::make_unique<torch::optim::SGD>(
+        model->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9).weight_decay(0.01));
+  } else {
+    opt = std::make_unique<torch::optim::AdamW>(
+        model->parameters(), torch::optim::AdamWOptions(kAdamLr).weight_decay(0.1));
+  }
+  Trained t;
+  t.initial = copy_parameters(model);
+  for (int step = 0; step < kSteps; ++step) {
+    const auto [x, y] = batch(step, replicas);
+    opt->zero_grad();
+    const at::Tensor loss = model->loss(x, y);
+    loss.backward();
+    if (step == 0) {
+      for (const auto& item : model->named_parameters())
+        t.first_gradients[item.key()] = item.value().grad().clone();
+    }
+    opt->step();
+    t.losses.push_back(loss.item<double>());
+  }
+  t.final = copy_parameters(model);
+  return t;
+}
+
+// The same steps under DataParallel over the mesh's dp group, each replica on its rows of the
+// batch (gradients averaged over the replicas; Loom's flat SGD and AdamW, which update as
+// torch's do); the loss is the replicas' average.
+Trained train_data_parallel(Gpt& model, Optimizer which, DeviceMesh& mesh) {
+  Trained t;
+  t.initial = copy_parameters(model);
+  DataParallel dp(model.ptr(), mesh.group("dp"),
+                  {.bucket_bytes = 16 << 10, .timeout = std::chrono::seconds(60)});
+  if (which == Optimizer::kSgd) {
+    dp.set_optimizer(std::make_unique<loom::optim::Sgd>(
+        loom::optim::SgdOptions{.lr = 0.5, .momentum = 0.9, .weight_decay = 0.01}));
+  } else {
+    dp.set_optimizer(std::make_unique<loom::optim::AdamW>(
+        loom::optim::AdamWOptions{.lr = kAdamLr, .weight_decay = 0.1}));
+  }
+  const int replicas = mesh.size("dp"), replica = mesh.coordinate("dp");
+  for (int step = 0; step < kSteps; ++step) {
+    const auto [x, y] = batch(step, replicas);
+    dp.zero_grad();
+    const at::Tensor loss = model->loss(x.narrow(0, kRowsPerReplica * replica, kRowsPerReplica),
+                                        y.narrow(0, kRowsPerReplica * replica, kRowsPerReplica));
+    loss.backward();
+    dp.finish_gradient_sync();
+    if (step == 0) {
+      for (const auto& item : model->named_parameters())
+        t.first_gradients[item.key()] = item.value().grad().clone();
+    }
+    dp.step();
+    at::Tensor average = loss.detach().clone();
+    mesh.group("dp").all_reduce(average, {.op = loom::comm::ReduceOp::kAvg})->wait();
+    t.losses.push_back(average.item<double>());
+  }
+  t.final = copy_parameters(model);
+  return t;
+}
+
+// This rank's piece of each of the plain model's tensors.
+std::map<std::string, at::Tensor> shards_of(const std::map<std::string, at::Tensor>& plain,
+                                            Gpt& model, loom::comm::Group* group) {
+  std::map<std::string, at::Tensor> out;
+  for (const tp::ShardedParameter& p : tp::sharded_parameters(*model)) {
+    out[p.name] = p.spec.replicated()
+                      ? plain.at(p.name)
+                      : tp::shard(plain.at(p.name), p.spec.dim, group, p.spec.partitions);
+  }
+  return out;
+}
+
+// AdamW divides each element's gradient by its own running magnitude, so an element whose
+// gradient is small next to its tensor's, where the fp32 terms of its sum cancel, gets a step
+// whose relative difference is that of the cancelling sum (the gradients themselves agree
+// within 1e-5 of the tensor's rms). After AdamW steps every element is checked within 1e-4 and
+// all but 0.1% of the model's elements within 1e-5; SGD's step is linear in the gradient and
+// every element is within 1e-5. The key bias gets no gradient in exact arithmetic (softmax
+// over keys is invariant to adding q . b to every score of a query): its fp32 gradient is
+// rounding noise and AdamW turns noise into steps, so under AdamW its elements are checked to
+// stay noise-sized (within steps x lr of zero) and the query and value biases per element.
+bool is_qkv_bias(const std::string& name) {
+  return name.size() >= 13 && name.compare(name.size() - 13, 13, "attn.qkv.bias") == 0;
+}
+
+// `actual` holds the parameters to compare (a pipeline stage's; every one otherwise).
+void expect_trains_like(const Trained& expected, const Trained& actual, Gpt& model,
+                        loom::comm::Group* group, Optimizer which, const std::string& what) {
+  // The initial weights: this rank's shard of the plain model's, bitwise.
+  const auto initial = shards_of(expected.initial, model, group);
+  for (const auto& [name, tensor] : actual.initial) {
+    EXPECT_TRUE(tensor.equal(initial.at(name))) << what << ": initial " << name;
+  }
+  // fp32 sums in other orders (the row-parallel matmuls summed over ranks, the log-sum-exp
+  // over vocabulary shards, the gradients averaged over replicas), per element.
+  expect_close_per_element(torch::tensor(actual.losses, torch::kDouble),
+                           torch::tensor(expected.losses, torch::kDouble), what + ": losses");
+  EXPECT_GT(std::abs(actual.losses.front() - actual.losses.back()), 1e-3) << what;
+  const auto gradients = shards_of(expected.first_gradients, model, group);
+  for (const auto& [name, tensor] : actual.first_gradients) {
+    expect_close_per_element(tensor, gradients.at(name), what + ": first gradient of " + name);
+  }
+  const auto final = shards_of(expected.final, model, group);
+  int64_t beyond = 0, total = 0;  // AdamW: elements beyond 1e-5, of all checked
+  for (const auto& [name, tensor] : actual.final) {
+    if (which == Optimizer::kSgd) {
+      expect_close_per_element(tensor, final.at(name), what + ": " + name);
+      continue;
+    }
+    if (is_qkv_bias(name)) {  // [q; k; v] of this rank's heads: q and v per element, k noise
+      const auto got = tensor.chunk(3), want = final.at(name).chunk(3);
+      expect_close_per_element(got[0], want[0], what + ": " + name + " (queries)", 1e-4);
+      expect_close_per_element(got[2], want[2], what + ": " + name + " (values)", 1e-4);
+      EXPECT_LE(got[1].abs().max().item<double>(), kSteps * kAdamLr) << what << ": " << name;
+      EXPECT_LE(want[1].abs().max().item<double>(), kSteps * kAdamLr) << what << ": " << name;
+      continue;
+    }
+    expect_close_per_element(tensor, final.at(name), what + ": " + name, 1e-4);
+    beyond += elements_beyond(tensor, final.at(name), 1e-5);
+    total += tensor.numel();
+  }
+  EXPECT_LE(beyond, total / 1000) << what << ": elements beyond 1e-5, of " << total;
+}
+
+struct Layout {
+  int tp;
+  bool sequence_parallel = false;
+  int dp = 1;  // > 1: DataParallel over the dp dimension of a dp x tp mesh
+};
+
+std::string name_of(const Layout& l) {
+  return (l.dp > 1 ? "dp" + std::to_string(l.dp) + "_" : "") + "tp" + std::to_string(l.tp) +
+         (l.sequence_parallel ? "_sp" : "");
+}
+
+// The plain model's training on the whole batch, under each optimizer.
+std::map<Optimizer, Trained> plain_training(int replicas) {
+  std::map<Optimizer, Trained> out;
+  for (const Optimizer which : {Optimizer::kSgd, Optimizer::kAdamW}) {
+    Gpt plain = build({});
+    out[which] = train(plain, which, replicas);
+  }
+  return out;
+}
+
+// One rank's part: the mesh, the model under each optimizer, the comparison.
+void check_rank(Rank& r, const Layout& layout, const std::map<Optimizer, Trained>& expected) {
+  loom::comm::GlooOptions options;
+  options.connect_timeout = std::chrono::seconds(20);
+  auto world = loom::comm::new_gloo_group(r.store, r.rank, r.world, options);
+  DeviceMesh mesh(*world, {{"dp", layout.dp}, {"tp", layout.tp}});
+  for (const auto& [which, reference] : expected) {
+    Gpt model = build({.tp = &mesh.group("tp"), .sequence_parallel = layout.sequence_parallel});
+    const Trained actual =
+        layout.dp > 1 ? train_data_parallel(model, which, mesh) : train(model, which);
+    expect_trains_like(
+        reference, actual, model, &mesh.group("tp"), which,
+        std::string(which == Optimizer::kSgd ? "SGD, " : "AdamW, ") + name_of(layout));
+  }
+}
+
+class GptTensorParallel : public ::testing::TestWithParam<Layout> {
+ protected:
+  void SetUp() override { torch::set_num_threads(1); }  // process-wide: ranks are threads
+};
+
+TEST_P(GptTensorParallel, TrainsLikeThePlainModelInOneProcess) {
+  const Layout layout = GetParam();
+  const auto expected = plain_training(layout.dp);
+  expect_all_ok(
+      run_threads(layout.tp * layout.dp, [&](Rank& r) { check_rank(r, layout, expected); }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, GptTensorParallel,
+                         ::testing::Values(Layout{1}, Layout{2}, Layout{4}, Layout{2, true},
+                                           Layout{4, true}, Layout{2, false, 2},
+                                           Layout{2, true, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return name_of(info.param);
+                         });
+
+// Real processes over a FileStore; each computes the plain reference itself.
+class GptTensorParallelProcesses : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(GptTensorParallelProcesses, TrainsLikeThePlainModelInOneProcess) {
+  const Layout layout = GetParam();
+  expect_all_ok(run_processes(layout.tp * layout.dp, [&](Rank& r) {
+    torch::set_num_threads(1);
+    check_rank(r, layout, plain_training(layout.dp));
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Processes, GptTensorParallelProcesses,
+                         ::testing::Values(Layout{2}, Layout{4, true}, Layout{2, false, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return name_of(info.param);
+                         });
+
+// ---- Pipeline parallelism ----
+
+// Eight blocks, so that 2 and 4 stages of 1 or 2 chunks each divide them.
+GptConfig deep() {
+  GptConfig c = tiny();
+  c.n_layer = 8;
+  return c;
+}
+constexpr int kMicroBatches = 4;
+constexpr int kPipelineRows = 8;  // per step: 4 micro-batches of 2 sequences
+
+struct PipelineLayout {
+  int pp;
+  Schedule schedule;
+  int chunks = 1;
+};
+
+std::string name_of(const PipelineLayout& l) {
+  std::string s = loom::parallel::to_string(l.schedule);
+  for (char& ch : s) {
+    if (ch == '-') ch = '_';
+  }
+  return "pp" + std::to_string(l.pp) + "_" + s +
+         (l.chunks > 1 ? "_v" + std::to_string(l.chunks) : "");
+}
+
+std::unique_ptr<torch::optim::Optimizer> torch_optimizer(std::vector<at::Tensor> params,
+                                                         Optimizer which) {
+  if (which == Optimizer::kSgd) {
+    return std::make_unique<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(0.5).momentum(0.9).weight_decay(0.01));
+  }
+  return std::make_unique<torch::optim::AdamW>(
+      params, torch::optim::AdamWOptions(kAdamLr).weight_decay(0.1));
+}
+
+// The plain model on the pipeline's batches: the whole batch in one backward, or (accumulate)
+// the same 4 micro-batches' backwards accumulated, as a pipeline stage computes them.
+Trained train_plain_deep(Optimizer which, bool accumulate) {
+  Gpt model = build({}, deep());
+  auto opt = torch_optimizer(model->parameters(), which);
+  Trained t;
+  t.initial = copy_parameters(model);
+  for (int step = 0; step < kSteps; ++step) {
+    const auto [x, y] = batch(step, kPipelineRows / kRowsPerReplica + 1);
+    opt->zero_grad();
+    double loss = 0;
+    const int pieces = accumulate ? kMicroBatches : 1;
+    const int64_t rows = kPipelineRows / pieces;
+    for (int i = 0; i < pieces; ++i) {
+      const at::Tensor piece =
+          model->loss(x.narrow(0, rows * i, rows), y.narrow(0, rows * i, rows)) / pieces;
+      piece.backward();
+      loss += piece.item<double>();
+    }
+    if (step == 0) {
+      for (const auto& item : model->named_parameters())
+        t.first_gradients[item.key()] = item.value().grad().clone();
+    }
+    opt->step();
+    t.losses.push_back(loss);
+  }
+  t.final = copy_parameters(model);
+  return t;
+}
+
+// One pipeline rank: its chunks of the model (every rank builds the whole model from the
+// seed), the schedule over 4 micro-batches, the tied embedding's gradient summed between the
+// first and the last stage, torch::optim on the stage's parameters.
+Trained train_pipeline(Gpt& model, loom::comm::Group& pp, const PipelineLayout& l,
+                       Optimizer which) {
+  const int p = pp.size(), s = pp.rank(), n = p * l.chunks;
+  std::vector<loom::parallel::StageFn> chunks;
+  std::vector<at::Tensor> params;
+  std::set<const void*> seen;
+  for (int j = 0; j < l.chunks; ++j) {
+    const auto [begin, end] = GptImpl::stage_layers(deep(), j * p + s, n);
+    chunks.push_back([&model, begin = begin, end = end](const at::Tensor& in) {
+      return model->forward_stage(in, begin, end);
+    });
+    for (const at::Tensor& t : model->stage_parameters(begin, end)) {
+      if (seen.insert(t.data_ptr()).second) params.push_back(t);
+    }
+  }
+  Pipeline pipe(pp, std::move(chunks),
+                {.schedule = l.schedule,
+                 .micro_batches = kMicroBatches,
+                 .timeout = std::chrono::seconds(60)});
+  std::unique_ptr<loom::comm::Group> tied;  // the first and the last stage's ranks
+  if (p > 1 && (s == 0 || s == p - 1)) tied = pp.new_subgroup({0, p - 1});
+  auto opt = torch_optimizer(params, which);
+  Trained t;
+  for (const auto& item : model->named_parameters()) {
+    if (seen.count(item.value().data_ptr()) != 0)
+      t.initial[item.key()] = item.value().detach().clone();
+  }
+  for (int step = 0; step < kSteps; ++step) {
+    const auto [x, y] = batch(step, kPipelineRows / kRowsPerReplica + 1);
+    opt->zero_grad();
+    const double loss = pipe.step(x.narrow(0, 0, kPipelineRows), y.narrow(0, 0, kPipelineRows),
+                                  [&](const at::Tensor& logits, const at::Tensor& targets) {
+                                    return model->loss_from_logits(logits, targets);
+                                  });
+    if (tied != nullptr) {
+      at::Tensor& grad = model->wte->weight.mutable_grad();
+      tied->all_reduce(grad)->wait(std::chrono::seconds(60));
+    }
+    if (step == 0) {
+      for (const auto& [name, tensor] : t.initial)
+        t.first_gradients[name] = model->named_parameters()[name].grad().clone();
+    }
+    opt->step();
+    t.losses.push_back(loss);
+  }
+  for (const auto& [name, tensor] : t.initial)
+    t.final[name] = model->named_parameters()[name].detach().clone();
+  return t;
+}
+
+class GptPipeline : public ::testing::TestWithParam<PipelineLayout> {
+ protected:
+  void SetUp() override { torch::set_num_threads(1); }  // process-wide: ranks are threads
+};
+
+// Against the plain model on the whole batch under SGD; under AdamW, whose per-element
+// normalisation magnifies the different summation of 4 accumulated micro-batches (see above),
+// against the plain model accumulating the same micro-batches.
+TEST_P(GptPipeline, TrainsLikeThePlainModelInOneProcess) {
+  const PipelineLayout layout = GetParam();
+  const std::map<Optimizer, Trained> expected = {
+      {Optimizer::kSgd, train_plain_deep(Optimizer::kSgd, /*accumulate=*/false)},
+      {Optimizer::kAdamW, train_plain_deep(Optimizer::kAdamW, /*accumulate=*/true)}};
+  expect_all_ok(run_threads(layout.pp, [&](Rank& r) {
+    loom::comm::GlooOptions options;
+    options.connect_timeout = std::chrono::seconds(20);
+    auto world = loom::comm::new_gloo_group(r.store, r.rank, r.world, options);
+    DeviceMesh mesh(*world, {{"pp", layout.pp}});
+    for (const auto& [which, reference] : expected) {
+      Gpt model = build({}, deep());
+      const Trained actual = train_pipeline(model, mesh.group("pp"), layout, which);
+      expect_trains_like(reference, actual, model, nullptr, which,
+                         std::string(which == Optimizer::kSgd ? "SGD, " : "AdamW, ") +
+                             name_of(layout) + " rank " + std::to_string(r.rank));
+    }
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Threads, GptPipeline,
+    ::testing::Values(PipelineLayout{2, Schedule::kGPipe}, PipelineLayout{4, Schedule::kGPipe},
+                      PipelineLayout{2, Schedule::k1F1B}, PipelineLayout{4, Schedule::k1F1B},
+                      PipelineLayout{2, Schedule::kInterleaved1F1B, 2},
+                      PipelineLayout{4, Schedule::kInterleaved1F1B, 2}),
+    [](const ::testing::TestParamInfo<PipelineLayout>& info) { return name_of(info.param); });
+
+TEST(GptPipelineErrors, LayersThatDoNotDivideIntoStagesAreNamed) {
+  EXPECT_THAT([] { GptImpl::stage_layers(deep(), 0, 3); },
+              ::testing::ThrowsMessage<loom::ConfigError>(
+                  "model.n_layer (8) does not divide into 3 pipeline stages; choose a layer "
+                  "count that is a multiple of the stages"));
+}
+
+TEST(GptTensorParallelErrors, HeadsAndVocabularyThatDoNotDivideAreNamed) {
+  expect_all_ok(run_threads(4, [](Rank& r) {
+    loom::comm::GlooOptions options;
+    options.connect_timeout = std::chrono::seconds(20);
+    auto group = loom::comm::new_gloo_group(r.store, r.rank, r.world, options);
+    GptConfig heads = tiny();
+    heads.n_head = 2;
+    heads.n_embd = 32;
+    EXPECT_THAT([&] { Gpt(heads, GptParallel{.tp = group.get()}); },
+                ::testing::ThrowsMessage<loom::ConfigError>(
+                    "model.n_head (2) must be a multiple of parallel.tp (4): each "
+                    "tensor-parallel rank computes whole heads"));
+    GptConfig vocab = tiny();
+    vocab.vocab_size = 66;
+    EXPECT_THAT([&] { Gpt(vocab, GptParallel{.tp = group.get()}); },
+                ::testing::ThrowsMessage<loom::ConfigError>(
+                    "the vocabulary size (66) must be a multiple of parallel.tp (4): each "
+                    "tensor-parallel rank holds an equal share of the embedding"));
+  }));
+}
+
+}  // namespace
+}  // namespace gpt

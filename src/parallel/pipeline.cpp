@@ -1,0 +1,241 @@
+// Pipeline parallelism: the three schedules as per-rank action lists, and the runner that
+// executes one list with send/recv of activations and gradients between stages.
+#include "loom/parallel/pipeline.h"
+
+#include <torch/torch.h>
+
+#include <map>
+
+#include "loom/error.h"
+
+namespace loom::parallel {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::vector<PipelineAction> gpipe(int micro_batches) {
+  std::vector<PipelineAction> out;
+  for (int mb = 0; mb < micro_batches; ++mb) out.push_back({PipelineAction::kForward, mb, 0});
+  for (int mb = 0; mb < micro_batches; ++mb) out.push_back({PipelineAction::kBackward, mb, 0});
+  return out;
+}
+
+std::vector<PipelineAction> one_f_one_b(int rank, int stages, int micro_batches) {
+  const int warmup = std::min(stages - rank - 1, micro_batches);
+  std::vector<PipelineAction> out;
+  for (int mb = 0; mb < warmup; ++mb) out.push_back({PipelineAction::kForward, mb, 0});
+  for (int i = 0; i < micro_batches - warmup; ++i) {
+    out.push_back({PipelineAction::kForward, warmup + i, 0});
+    out.push_back({PipelineAction::kBackward, i, 0});
+  }
+  for (int mb = micro_batches - warmup; mb < micro_batches; ++mb) {
+    out.push_back({PipelineAction::kBackward, mb, 0});
+  }
+  return out;
+}
+
+// Megatron-LM's interleaved schedule (forward_backward_pipelining_with_interleaving): the k-th
+// forward of a rank runs chunk (k mod pv) / p on micro-batch (k / pv) p + k mod p; backwards
+// visit the chunks in reverse.
+std::vector<PipelineAction> interleaved(int rank, int stages, int micro_batches, int chunks) {
+  const int p = stages, v = chunks, total = micro_batches * chunks;
+  auto chunk_of = [&](int k, bool forward) {
+    const int c = (k % (p * v)) / p;
+    return forward ? c : v - 1 - c;
+  };
+  auto micro_batch_of = [&](int k) { return (k / (p * v)) * p + k % p; };
+  int warmup = std::min((p - rank - 1) * 2 + (v - 1) * p, total);
+  if (micro_batches == p) warmup = total;  // Megatron: every forward first when m == p
+  std::vector<PipelineAction> out;
+  for (int k = 0; k < warmup; ++k) {
+    out.push_back({PipelineAction::kForward, micro_batch_of(k), chunk_of(k, true)});
+  }
+  for (int k = 0; k < total - warmup; ++k) {
+    const int f = warmup + k;
+    out.push_back({PipelineAction::kForward, micro_batch_of(f), chunk_of(f, true)});
+    out.push_back({PipelineAction::kBackward, micro_batch_of(k), chunk_of(k, false)});
+  }
+  for (int k = total - warmup; k < total; ++k) {
+    out.push_back({PipelineAction::kBackward, micro_batch_of(k), chunk_of(k, false)});
+  }
+  return out;
+}
+
+// The header that precedes every activation or gradient: dtype, ndim, then the sizes.
+constexpr int64_t kMaxDims = 8;
+at::Tensor header_of(const at::Tensor& t) {
+  LOOM_CHECK(t.dim() <= kMaxDims, InvalidArgument, "Pipeline: a stage's output has ", t.dim(),
+             " dims; at most ", kMaxDims, " travel between stages");
+  at::Tensor h = torch::zeros({2 + kMaxDims}, torch::kLong);
+  auto* p = h.data_ptr<int64_t>();
+  p[0] = static_cast<int64_t>(t.scalar_type());
+  p[1] = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) p[2 + d] = t.size(d);
+  return h;
+}
+
+}  // namespace
+
+const char* to_string(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::kGPipe:
+      return "gpipe";
+    case Schedule::k1F1B:
+      return "1f1b";
+    case Schedule::kInterleaved1F1B:
+      return "interleaved-1f1b";
+  }
+  return "?";
+}
+
+std::vector<PipelineAction> pipeline_schedule(Schedule schedule, int rank, int stages,
+                                              int micro_batches, int chunks) {
+  LOOM_CHECK(stages >= 1 && rank >= 0 && rank < stages && micro_batches >= 1 && chunks >= 1,
+             InvalidArgument, "pipeline schedule: rank ", rank, " of ", stages, " stages, ",
+             micro_batches, " micro-batches, ", chunks,
+             " chunks per rank; need 0 <= rank < stages and at least one of each");
+  switch (schedule) {
+    case Schedule::kGPipe:
+    case Schedule::k1F1B:
+      LOOM_CHECK(chunks == 1, InvalidArgument, "the ", to_string(schedule), " schedule runs one ",
+                 "chunk per rank, got ", chunks, "; use interleaved-1f1b for more");
+      return schedule == Schedule::kGPipe ? gpipe(micro_batches)
+                                          : one_f_one_b(rank, stages, micro_batches);
+    case Schedule::kInterleaved1F1B:
+      LOOM_CHECK(micro_batches % stages == 0, InvalidArgument,
+                 "the interleaved-1f1b schedule needs the micro-batches (", micro_batches,
+                 ") to be a multiple of the pipeline stages (", stages, ")");
+      return interleaved(rank, stages, micro_batches, chunks);
+  }
+  return {};
+}
+
+double theoretical_bubble(Schedule schedule, int stages, int micro_batches, int chunks) {
+  const double p = stages, m = micro_batches;
+  const double v = schedule == Schedule::kInterleaved1F1B ? chunks : 1;
+  return (p - 1) / (v * m + p - 1);
+}
+
+Pipeline::Pipeline(comm::Group& group, std::vector<StageFn> chunks, PipelineOptions options)
+    : group_(group), chunks_(std::move(chunks)), options_(options) {
+  LOOM_CHECK(!chunks_.empty(), InvalidArgument, "Pipeline: no stage function given");
+  LOOM_CHECK(options_.micro_batches >= 1, InvalidArgument, "Pipeline: ", options_.micro_batches,
+             " micro-batches; use at least 1");
+  // Validates the combination once, here rather than at the first step.
+  (void)pipeline_schedule(options_.schedule, group_.rank(), group_.size(), options_.micro_batches,
+                          static_cast<int>(chunks_.size()));
+}
+
+double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
+                      const PipelineLossFn& loss_fn) {
+  const int p = group_.size(), s = group_.rank(), m = options_.micro_batches;
+  const int v = static_cast<int>(chunks_.size()), last_stage = p * v - 1;
+  LOOM_CHECK(inputs.size(0) % m == 0 && targets.size(0) == inputs.size(0), InvalidArgument,
+             "Pipeline: a batch of ", inputs.size(0), " rows (targets ", targets.size(0),
+             ") does not split into ", m, " equal micro-batches");
+  const int64_t rows = inputs.size(0) / m;
+  const Clock::time_point start = Clock::now();
+  stats_ = {};
+
+  // Tags name the receiving virtual stage, the direction, the micro-batch and the part.
+  auto tag = [&](PipelineAction::Kind kind, int receiver, int mb, int part) {
+    return ((static_cast<int>(kind) * (last_stage + 1) + receiver) * m + mb) * 2 + part;
+  };
+  struct Pending {
+    comm::WorkPtr work;
+    at::Tensor header, payload;  // alive until the send completes
+  };
+  std::vector<Pending> sends;
+  auto send = [&](const at::Tensor& t, int receiver, PipelineAction::Kind kind, int mb) {
+    const int dst = receiver % p;
+    Pending out{nullptr, header_of(t), t.contiguous()};
+    group_.send(out.header, dst, {.tag = tag(kind, receiver, mb, 0), .timeout = options_.timeout});
+    out.work = group_.send(out.payload, dst,
+                           {.tag = tag(kind, receiver, mb, 1), .timeout = options_.timeout});
+    sends.push_back(std::move(out));
+  };
+  auto receive = [&](int sender, int receiver, PipelineAction::Kind kind, int mb) {
+    const Clock::time_point wait_start = Clock::now();
+    const char* what = kind == PipelineAction::kForward ? "activation" : "gradient";
+    auto context = [&](const Error& e) {
+      return detail::concat("Pipeline (", to_string(options_.schedule), "): stage ", receiver,
+                            " waiting for the ", what, " of micro-batch ", mb, " from stage ",
+                            sender, " (pipeline rank ", sender % p, "): ", e.what());
+    };
+    auto wait = [&](const comm::WorkPtr& work) {
+      try {
+        work->wait(options_.timeout);
+      } catch (const Timeout& e) {
+        throw Timeout(context(e));
+      } catch (const CommError& e) {
+        throw CommError(context(e));
+      }
+    };
+    at::Tensor header = torch::empty({2 + kMaxDims}, torch::kLong);
+    wait(group_.recv(header, sender % p,
+                     {.tag = tag(kind, receiver, mb, 0), .timeout = options_.timeout}));
+    const auto* h = header.data_ptr<int64_t>();
+    at::Tensor payload = torch::empty(std::vector<int64_t>(h + 2, h + 2 + h[1]),
+                                      torch::dtype(static_cast<at::ScalarType>(h[0])));
+    wait(group_.recv(payload, sender % p,
+                     {.tag = tag(kind, receiver, mb, 1), .timeout = options_.timeout}));
+    stats_.wait_seconds += seconds_since(wait_start);
+    return payload;
+  };
+
+  // What a micro-batch's forward left for its backward, by (chunk, micro-batch).
+  struct InFlight {
+    at::Tensor input, output;  // output: the loss on the last stage
+  };
+  std::map<std::pair<int, int>, InFlight> in_flight;
+  double loss_sum = 0;
+  for (const PipelineAction& a : pipeline_schedule(options_.schedule, s, p, m, v)) {
+    const int stage = a.chunk * p + s;
+    if (a.kind == PipelineAction::kForward) {
+      at::Tensor input = stage == 0
+                             ? inputs.narrow(0, rows * a.micro_batch, rows)
+                             : receive(stage - 1, stage, PipelineAction::kForward, a.micro_batch);
+      if (stage > 0 && input.is_floating_point()) input.requires_grad_(true);
+      const Clock::time_point compute_start = Clock::now();
+      at::Tensor output = chunks_[static_cast<size_t>(a.chunk)](input);
+      if (stage == last_stage) {
+        output = loss_fn(output, targets.narrow(0, rows * a.micro_batch, rows)) / m;
+        loss_sum += output.detach().item<double>();
+      }
+      stats_.compute_seconds += seconds_since(compute_start);
+      if (stage != last_stage)
+        send(output.detach(), stage + 1, PipelineAction::kForward, a.micro_batch);
+      in_flight[{a.chunk, a.micro_batch}] = {input, output};
+    } else {
+      InFlight f = std::move(in_flight.at({a.chunk, a.micro_batch}));
+      in_flight.erase({a.chunk, a.micro_batch});
+      const at::Tensor grad =
+          stage == last_stage ? at::Tensor()
+                              : receive(stage + 1, stage, PipelineAction::kBackward, a.micro_batch);
+      const Clock::time_point compute_start = Clock::now();
+      if (stage == last_stage) {
+        f.output.backward();
+      } else {
+        f.output.backward(grad);
+      }
+      stats_.compute_seconds += seconds_since(compute_start);
+      if (stage > 0 && f.input.requires_grad()) {
+        send(f.input.grad(), stage - 1, PipelineAction::kBackward, a.micro_batch);
+      }
+    }
+  }
+  for (Pending& out : sends) out.work->wait(options_.timeout);
+  // The loss from the last stage's rank to every rank.
+  at::Tensor loss = torch::full({1}, loss_sum, torch::kDouble);
+  group_.broadcast(loss, {.root = last_stage % p, .timeout = options_.timeout})
+      ->wait(options_.timeout);
+  stats_.step_seconds = seconds_since(start);
+  return loss.item<double>();
+}
+
+}  // namespace loom::parallel
