@@ -193,6 +193,41 @@ TEST(GlooGroup, SendRecvMatchByTagWhateverThePostingOrder) {
   }));
 }
 
+// A transfer completes when it is done, not after the ones posted before it: rank 0's send
+// of `a` can only complete once rank 1 posts its recv, which rank 1 does only after rank 0 has
+// seen its recv of `b` complete (a pipeline's activations one way and gradients the other).
+// Collectives after unequal numbers of transfers still match (their tags count collectives).
+TEST(GlooGroup, TransfersCompleteInAnyOrderAndCollectivesMatchAfterUnequalTransfers) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    auto group = new_gloo_group(r.store, r.rank, r.world, quick_options());
+    if (r.rank == 0) {
+      const at::Tensor a = at::full({1000}, 1.0f);
+      at::Tensor b = at::zeros({10});
+      WorkPtr sent = group->send(a, 1, {.tag = 1, .timeout = kOpTimeout});
+      group->recv(b, 1, {.tag = 2, .timeout = kOpTimeout})->wait();
+      EXPECT_FALSE(sent->is_completed());  // rank 1 has not posted its recv of a yet
+      r.store.set("b_received", "1");
+      sent->wait();
+      EXPECT_TRUE(b.equal(at::full({10}, 2.0f)));
+      group->send(a, 1, {.tag = 3, .timeout = kOpTimeout})->wait();
+      // An empty send moves nothing and needs no recv, but takes a sequence number: rank 0
+      // has now issued one op more than rank 1.
+      group->send(at::zeros({0}), 1, {.tag = 4, .timeout = kOpTimeout})->wait();
+    } else {
+      group->send(at::full({10}, 2.0f), 0, {.tag = 2, .timeout = kOpTimeout})->wait();
+      r.store.wait({"b_received"}, kOpTimeout);
+      at::Tensor a = at::zeros({1000});
+      group->recv(a, 0, {.tag = 1, .timeout = kOpTimeout})->wait();
+      EXPECT_TRUE(a.equal(at::full({1000}, 1.0f)));
+      at::Tensor again = at::zeros({1000});
+      group->recv(again, 0, {.tag = 3, .timeout = kOpTimeout})->wait();
+    }
+    at::Tensor sum = at::full({2}, static_cast<float>(r.rank + 1));
+    group->all_reduce(sum, {.timeout = kOpTimeout})->wait();
+    EXPECT_TRUE(sum.equal(at::full({2}, 3.0f)));
+  }));
+}
+
 TEST(GlooGroup, SubgroupsReduceIndependently) {
   expect_all_ok(run_threads(4, [](Rank& r) {
     auto world = new_gloo_group(r.store, r.rank, r.world, quick_options());
