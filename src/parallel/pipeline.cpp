@@ -146,28 +146,74 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
   auto tag = [&](PipelineAction::Kind kind, int receiver, int mb, int part) {
     return ((static_cast<int>(kind) * (last_stage + 1) + receiver) * m + mb) * 2 + part;
   };
+  // Each (direction, receiving virtual stage) is a stream whose micro-batches all have the
+  // shape and dtype of the first: a header with them goes once per stream and step, and the
+  // receiver posts the recvs of the next micro-batches ahead of need, so that a transfer is one
+  // message whose recv is usually posted already (a Gloo send waits for its recv's post).
+  using Stream = std::pair<int, int>;  // (kind, receiving virtual stage)
+  constexpr int kLookahead = 2;        // recvs posted ahead per stream
   struct Pending {
     comm::WorkPtr work;
     at::Tensor header, payload;  // alive until the send completes
   };
   std::vector<Pending> sends;
+  std::map<Stream, std::pair<std::vector<int64_t>, at::ScalarType>> sent;
   auto send = [&](const at::Tensor& t, int receiver, PipelineAction::Kind kind, int mb) {
     const int dst = receiver % p;
-    Pending out{nullptr, header_of(t), t.contiguous()};
-    group_.send(out.header, dst, {.tag = tag(kind, receiver, mb, 0), .timeout = options_.timeout});
+    const Stream stream{kind, receiver};
+    Pending out{nullptr, at::Tensor(), t.contiguous()};
+    const auto it = sent.find(stream);
+    if (it == sent.end()) {
+      out.header = header_of(t);
+      group_.send(out.header, dst, {.tag = tag(kind, receiver, 0, 0), .timeout = options_.timeout});
+      sent[stream] = {t.sizes().vec(), t.scalar_type()};
+    } else {
+      LOOM_CHECK(it->second.first == t.sizes().vec() && it->second.second == t.scalar_type(),
+                 InvalidArgument, "Pipeline: stage ",
+                 receiver + (kind == PipelineAction::kForward ? -1 : 1), " sends ", t.sizes(), " ",
+                 t.scalar_type(), " for micro-batch ", mb, " but ",
+                 at::IntArrayRef(it->second.first), " ", it->second.second,
+                 " for the first of the step; every micro-batch of a step must have one shape");
+    }
     out.work = group_.send(out.payload, dst,
                            {.tag = tag(kind, receiver, mb, 1), .timeout = options_.timeout});
     sends.push_back(std::move(out));
   };
-  auto receive = [&](int sender, int receiver, PipelineAction::Kind kind, int mb) {
+  struct Incoming {
+    at::Tensor header;
+    comm::WorkPtr header_work;
+    std::vector<int64_t> shape;  // empty until the header came
+    at::ScalarType dtype = at::kFloat;
+    std::map<int, std::pair<at::Tensor, comm::WorkPtr>> posted;  // by micro-batch
+  };
+  std::map<Stream, Incoming> incoming;
+  auto sender_of = [](PipelineAction::Kind kind, int receiver) {
+    return kind == PipelineAction::kForward ? receiver - 1 : receiver + 1;
+  };
+  // Every stream this rank receives: its header's recv, posted now.
+  for (int j = 0; j < v; ++j) {
+    const int stage = j * p + s;
+    for (const auto kind : {PipelineAction::kForward, PipelineAction::kBackward}) {
+      if ((kind == PipelineAction::kForward && stage == 0) ||
+          (kind == PipelineAction::kBackward && stage == last_stage)) {
+        continue;
+      }
+      Incoming& in = incoming[{kind, stage}];
+      in.header = torch::empty({2 + kMaxDims}, torch::kLong);
+      in.header_work = group_.recv(in.header, sender_of(kind, stage) % p,
+                                   {.tag = tag(kind, stage, 0, 0), .timeout = options_.timeout});
+    }
+  }
+  auto receive = [&](int receiver, PipelineAction::Kind kind, int mb) {
+    const int sender = sender_of(kind, receiver);
     const Clock::time_point wait_start = Clock::now();
     const char* what = kind == PipelineAction::kForward ? "activation" : "gradient";
-    auto context = [&](const Error& e) {
-      return detail::concat("Pipeline (", to_string(options_.schedule), "): stage ", receiver,
-                            " waiting for the ", what, " of micro-batch ", mb, " from stage ",
-                            sender, " (pipeline rank ", sender % p, "): ", e.what());
-    };
     auto wait = [&](const comm::WorkPtr& work) {
+      auto context = [&](const Error& e) {
+        return detail::concat("Pipeline (", to_string(options_.schedule), "): stage ", receiver,
+                              " waiting for the ", what, " of micro-batch ", mb, " from stage ",
+                              sender, " (pipeline rank ", sender % p, "): ", e.what());
+      };
       try {
         work->wait(options_.timeout);
       } catch (const Timeout& e) {
@@ -176,14 +222,24 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
         throw CommError(context(e));
       }
     };
-    at::Tensor header = torch::empty({2 + kMaxDims}, torch::kLong);
-    wait(group_.recv(header, sender % p,
-                     {.tag = tag(kind, receiver, mb, 0), .timeout = options_.timeout}));
-    const auto* h = header.data_ptr<int64_t>();
-    at::Tensor payload = torch::empty(std::vector<int64_t>(h + 2, h + 2 + h[1]),
-                                      torch::dtype(static_cast<at::ScalarType>(h[0])));
-    wait(group_.recv(payload, sender % p,
-                     {.tag = tag(kind, receiver, mb, 1), .timeout = options_.timeout}));
+    Incoming& in = incoming.at({kind, receiver});
+    if (in.shape.empty()) {
+      wait(in.header_work);
+      const auto* h = in.header.data_ptr<int64_t>();
+      in.shape.assign(h + 2, h + 2 + h[1]);
+      in.dtype = static_cast<at::ScalarType>(h[0]);
+    }
+    auto post = [&](int k) {
+      if (k >= m || in.posted.count(k) != 0) return;
+      at::Tensor payload = torch::empty(in.shape, torch::dtype(in.dtype));
+      comm::WorkPtr work = group_.recv(
+          payload, sender % p, {.tag = tag(kind, receiver, k, 1), .timeout = options_.timeout});
+      in.posted[k] = {payload, work};
+    };
+    for (int k = mb; k <= mb + kLookahead; ++k) post(k);
+    auto [payload, work] = std::move(in.posted.at(mb));
+    in.posted.erase(mb);
+    wait(work);
     stats_.wait_seconds += seconds_since(wait_start);
     return payload;
   };
@@ -197,9 +253,8 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
   for (const PipelineAction& a : pipeline_schedule(options_.schedule, s, p, m, v)) {
     const int stage = a.chunk * p + s;
     if (a.kind == PipelineAction::kForward) {
-      at::Tensor input = stage == 0
-                             ? inputs.narrow(0, rows * a.micro_batch, rows)
-                             : receive(stage - 1, stage, PipelineAction::kForward, a.micro_batch);
+      at::Tensor input = stage == 0 ? inputs.narrow(0, rows * a.micro_batch, rows)
+                                    : receive(stage, PipelineAction::kForward, a.micro_batch);
       if (stage > 0 && input.is_floating_point()) input.requires_grad_(true);
       const Clock::time_point compute_start = Clock::now();
       at::Tensor output = chunks_[static_cast<size_t>(a.chunk)](input);
@@ -214,9 +269,9 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
     } else {
       InFlight f = std::move(in_flight.at({a.chunk, a.micro_batch}));
       in_flight.erase({a.chunk, a.micro_batch});
-      const at::Tensor grad =
-          stage == last_stage ? at::Tensor()
-                              : receive(stage + 1, stage, PipelineAction::kBackward, a.micro_batch);
+      const at::Tensor grad = stage == last_stage
+                                  ? at::Tensor()
+                                  : receive(stage, PipelineAction::kBackward, a.micro_batch);
       const Clock::time_point compute_start = Clock::now();
       if (stage == last_stage) {
         f.output.backward();

@@ -12,8 +12,9 @@
 //
 // Stage s (of p) runs on pipeline rank s; with v chunks per rank (interleaved 1F1B) chunk j of
 // rank s is virtual stage j * p + s. Activations go forward and their gradients backward by
-// send/recv with a deadline (each carries a small header with its shape and dtype, so stages
-// may change shapes and the first stage may take integer ids). Schedules:
+// send/recv with a deadline; a header with the shape and dtype goes once per stage and step,
+// so stages may change shapes (the first may take integer ids), but every micro-batch of a step
+// must leave a stage with one shape (InvalidArgument naming both otherwise). Schedules:
 //   kGPipe: every micro-batch's forward, then every backward (m activations alive per stage);
 //   k1F1B: p - s - 1 forwards to fill the pipeline, then one forward and one backward in turn,
 //          then the remaining backwards (at most p - s activations alive); bubble

@@ -18,12 +18,13 @@
 //
 // Every layer takes a `comm::Group*`: null (or a group of one rank) is the plain layer, bitwise
 // torch::nn::Linear / Embedding. Parameter names are those of torch::nn::Linear and Embedding
-// ("weight", "bias"), so a model keeps its names under any tensor-parallel size. Weights are
-// initialised by the caller: reset_from_full(full weight, full bias) takes this rank's shard of
-// tensors that are the same on every rank. All communication is blocking (each call waits for
-// its collective, up to `timeout`) and runs in the autograd order of backward, which is the
-// same on every rank of a group for the same graph. The group must outlive the layers; a layer
-// is used from one thread at a time.
+// ("weight", "bias"), so a model keeps its names under any tensor-parallel size. A layer is
+// initialised as torch's layer of the whole size would be (drawing the same numbers from torch's
+// generator, which every rank seeds alike) and keeps its shard; reset_from_full(weight, bias)
+// sets it from whole tensors that are the same on every rank. All communication is blocking (each
+// call waits for its collective, up to `timeout`) and runs in the autograd order of backward, which
+// is the same on every rank of a group for the same graph. The group must outlive the layers; a
+// layer is used from one thread at a time.
 #pragma once
 
 #include <torch/torch.h>

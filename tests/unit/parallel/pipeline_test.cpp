@@ -265,5 +265,31 @@ TEST(PipelineFailures, APeerStageThatNeverRunsIsAnErrorNamingItWithinTheDeadline
   }));
 }
 
+TEST(PipelineFailures, MicroBatchesOfOneStepWithTwoShapesAreNamed) {
+  expect_all_ok(run_threads(2, [](Rank& r) {
+    comm::GlooOptions options;
+    options.connect_timeout = std::chrono::seconds(20);
+    auto group = comm::new_gloo_group(r.store, r.rank, r.world, options);
+    int calls = 0;  // the first stage narrows its second micro-batch's output
+    const StageFn stage = [&](const at::Tensor& in) {
+      return r.rank == 0 && calls++ == 1 ? (in * 2).narrow(1, 0, 2) : in * 2;
+    };
+    Pipeline pipe(*group, {stage},
+                  {.schedule = Schedule::kGPipe,
+                   .micro_batches = 2,
+                   .timeout = std::chrono::milliseconds(500)});
+    const at::Tensor batch = torch::ones({4, 3}, torch::requires_grad());
+    if (r.rank == 0) {
+      EXPECT_THAT([&] { pipe.step(batch, batch, mse); },
+                  ::testing::ThrowsMessage<InvalidArgument>(
+                      "Pipeline: stage 0 sends [2, 2] Float for micro-batch 1 but [2, 3] Float "
+                      "for the first of the step; every micro-batch of a step must have one "
+                      "shape"));
+    } else {  // the second stage waits for a micro-batch that never comes
+      EXPECT_THROW(pipe.step(batch, batch, mse), Error);
+    }
+  }));
+}
+
 }  // namespace
 }  // namespace loom::parallel
