@@ -14,6 +14,10 @@
 
 #include <map>
 #include <set>
+#include <thread>
+
+#include <signal.h>
+#include <unistd.h>
 
 #include "harness/harness.h"
 #include "loom/comm/gloo.h"
@@ -263,6 +267,40 @@ TEST(PipelineFailures, APeerStageThatNeverRunsIsAnErrorNamingItWithinTheDeadline
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
     r.store.set("stage0_done", "1");
   }));
+}
+
+// Real processes: the last stage dies (SIGKILL) while the first is in its step. The first
+// stage's wait for that micro-batch's gradient ends with an error naming the dead stage long
+// before the 60 s deadline: the connection's end is seen at once.
+TEST(PipelineFailures, AStageProcessThatDiesIsAnErrorNamingItNotAHang) {
+  using loom::testing::run_processes;
+  const auto outcomes = run_processes(2, [](Rank& r) {
+    comm::GlooOptions options;
+    options.connect_timeout = std::chrono::seconds(20);
+    auto group = comm::new_gloo_group(r.store, r.rank, r.world, options);
+    if (r.rank == 1) {  // dies once the first stage is in its step
+      r.store.wait({"stepping"}, std::chrono::seconds(20));
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      ::kill(::getpid(), SIGKILL);
+    }
+    Pipeline pipe(*group, {[](const at::Tensor& in) { return in * 2; }},
+                  {.micro_batches = 4, .timeout = std::chrono::seconds(60)});
+    const at::Tensor batch = torch::ones({4, 3}, torch::requires_grad());
+    const auto start = std::chrono::steady_clock::now();
+    r.store.set("stepping", "1");
+    try {
+      pipe.step(batch, batch, mse);
+      ADD_FAILURE() << "the step ended without its peer stage";
+    } catch (const CommError& e) {
+      EXPECT_THAT(e.what(), ::testing::StartsWith("Pipeline (1f1b): stage 0 waiting for the "
+                                                  "gradient of micro-batch 0 from stage 1 "
+                                                  "(pipeline rank 1): "));
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  });
+  ASSERT_EQ(outcomes.size(), 2u);
+  EXPECT_TRUE(outcomes[0].ok) << outcomes[0].error;
+  EXPECT_FALSE(outcomes[1].ok);  // killed
 }
 
 TEST(PipelineFailures, MicroBatchesOfOneStepWithTwoShapesAreNamed) {
