@@ -21,6 +21,7 @@
 #include "loom/control/store.h"
 #include "loom/data/reader.h"
 #include "loom/error.h"
+#include "loom/parallel/mesh.h"
 #include "loom/version.h"
 #include "util/files.h"
 #include "util/mix.h"
@@ -126,9 +127,11 @@ struct Runtime::Impl {
   comm::Store* store = nullptr;  // owned_store, or an attached one
   std::unique_ptr<comm::Group> world_group;
   std::unique_ptr<comm::Group> control_group;
+  std::unique_ptr<parallel::DeviceMesh> mesh;  // its groups are world_group's subgroups
 
   ~Impl() {
     heartbeat.reset();  // its thread may call dump_flight
+    mesh.reset();
     control_group.reset();
     world_group.reset();  // before the stores they bootstrapped over
   }
@@ -169,6 +172,7 @@ ConfigSchema Runtime::schema() {
   s.add("comm.shared_memory", true,
         "CPU collectives through shared memory when every rank is on one host (false: loopback "
         "TCP)");
+  s.merge(parallel::mesh_schema());
   return s;
 }
 
@@ -315,6 +319,14 @@ std::unique_ptr<comm::Group> new_gloo_world(comm::Store& store, const Topology& 
 }
 
 }  // namespace
+
+parallel::DeviceMesh& Runtime::mesh() const {
+  comm::Group& world = world_group();
+  Impl& impl = *impl_;
+  std::lock_guard<std::mutex> lock(impl.mutex);
+  if (!impl.mesh) impl.mesh = parallel::mesh_from(world, impl.config);
+  return *impl.mesh;
+}
 
 comm::Group& Runtime::world_group() const {
   comm::Store& s = store();

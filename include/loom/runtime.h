@@ -35,6 +35,9 @@ namespace data {
 class Reader;
 struct ReaderOptions;
 }  // namespace data
+namespace parallel {
+class DeviceMesh;
+}  // namespace parallel
 
 // Where this process sits in the job. from_env() reads, first found wins:
 //   rank               LOOM_RANK, RANK                          (default 0)
@@ -131,6 +134,11 @@ class Runtime {
   // construction checks), never queued behind gradient buckets and legal beside NCCL.
   // Collective: every rank calls it. Its flight dumps go to <run_dir>/flight/control.
   comm::Group& control_group() const;
+  // The pp x dp x tp mesh over world_group() that parallel.pp, parallel.dp and parallel.tp
+  // ask for (loom/parallel/mesh.h; parallel.dp = 0 takes the ranks pp and tp leave), created on
+  // first use. Collective: every rank calls it. ConfigError naming the sizes and the world size
+  // when they do not fit.
+  parallel::DeviceMesh& mesh() const;
   // Under `loom run`: what the heartbeat (a background thread, once a second) reports to the
   // coordinator for dashboards and hang detection. Thread-safe; a no-op otherwise.
   void report_progress(int64_t step, double throughput,

@@ -11,6 +11,7 @@
 #include "harness/harness.h"
 #include "loom/comm/gloo.h"
 #include "loom/error.h"
+#include "loom/runtime.h"
 
 namespace loom::parallel {
 namespace {
@@ -91,6 +92,24 @@ TEST(DeviceMesh, ConfigBuildsPipelineDataTensorAndDataTakesTheRest) {
     EXPECT_EQ(mesh_from(*world, config_of({"parallel.pp=2", "parallel.dp=1", "parallel.tp=2"}))
                   ->describe(),
               "pp=2 x dp=1 x tp=2");
+  }));
+}
+
+TEST(DeviceMesh, TheRuntimeBuildsItFromItsConfigOnce) {
+  testing::TempDir dir;
+  expect_all_ok(run_threads(4, [&](Rank& r) {
+    const Config config = Config::load(
+        Runtime::schema(), {.read_env = false,
+                            .overrides = {"run.dir=" + (dir / "run").string(), "run.device=cpu",
+                                          "log.level=warn", "log.to_file=false", "parallel.tp=2"}});
+    Runtime rt = Runtime::init(config, Topology{r.rank, r.world, r.rank, r.world},
+                               /*configure_process=*/false, {.store = &r.store});
+    DeviceMesh& mesh = rt.mesh();
+    EXPECT_EQ(&rt.mesh(), &mesh);
+    EXPECT_EQ(mesh.describe(), "pp=1 x dp=2 x tp=2");
+    EXPECT_EQ(&mesh.world(), &rt.world_group());
+    EXPECT_EQ(members(mesh.group("tp"), r.rank),
+              (std::vector<int64_t>{r.rank / 2 * 2, r.rank / 2 * 2 + 1}));
   }));
 }
 
