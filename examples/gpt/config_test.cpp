@@ -2,6 +2,7 @@
 // would load it, and GPT-2 124M has GPT-2 small's shape, bf16 and the H200 micro-batch.
 #include "config.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <loom/error.h>
 #include <loom/parallel/data_parallel.h>
@@ -77,11 +78,13 @@ TEST(GptConfigs, ParallelModeChoosesTheStrategyAndBadModesNameTheKey) {
   const FsdpOptions fsdp_default = FsdpOptions::from(load({"--parallel.mode=fsdp"}));
   EXPECT_TRUE(fsdp_default.reshard_after_forward);
   EXPECT_FALSE(fsdp_default.reduce_dtype.has_value());
+  EXPECT_FALSE(fsdp_default.param_dtype.has_value());
   const FsdpOptions fsdp =
       FsdpOptions::from(load({"--parallel.mode=fsdp", "--parallel.reshard_after_forward=false",
-                              "--parallel.reduce_dtype=fp32"}));
+                              "--parallel.reduce_dtype=fp32", "--parallel.param_dtype=bf16"}));
   EXPECT_FALSE(fsdp.reshard_after_forward);
   EXPECT_EQ(fsdp.reduce_dtype, c10::kFloat);
+  EXPECT_EQ(fsdp.param_dtype, c10::kBFloat16);
   struct Bad {
     std::vector<std::string> args;
     const char* key;
@@ -103,6 +106,10 @@ TEST(GptConfigs, ParallelModeChoosesTheStrategyAndBadModesNameTheKey) {
     EXPECT_NE(std::string(e.what()).find("parallel.reduce_dtype is 'fp16'"), std::string::npos)
         << e.what();
   }
+  EXPECT_THAT([&] { FsdpOptions::from(load({"--parallel.param_dtype=fp16"})); },
+              ::testing::ThrowsMessage<loom::ConfigError>(
+                  "parallel.param_dtype is 'fp16'; use bf16, or leave it empty to compute in the "
+                  "parameters' dtype"));
 }
 
 }  // namespace

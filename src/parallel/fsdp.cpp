@@ -104,6 +104,9 @@ ConfigSchema FsdpOptions::schema() {
         "fsdp: free a unit's gathered parameters after its forward (gather again in backward)");
   s.add("parallel.reduce_dtype", "",
         "fsdp: dtype of the gradient reduce-scatter and shards: empty (the parameters') or fp32");
+  s.add("parallel.param_dtype", "",
+        "fsdp: dtype forward and backward compute in: empty (the parameters') or bf16 (bf16 "
+        "copies of fp32 shards, which stay the masters)");
   return s;
 }
 
@@ -116,6 +119,13 @@ FsdpOptions FsdpOptions::from(const Config& config) {
   } else {
     LOOM_CHECK(reduce.empty(), ConfigError, "parallel.reduce_dtype is '", reduce,
                "'; use fp32, or leave it empty to reduce in the parameters' dtype");
+  }
+  const std::string compute = config.get<std::string>("parallel.param_dtype");
+  if (compute == "bf16") {
+    o.param_dtype = at::kBFloat16;
+  } else {
+    LOOM_CHECK(compute.empty(), ConfigError, "parallel.param_dtype is '", compute,
+               "'; use bf16, or leave it empty to compute in the parameters' dtype");
   }
   return o;
 }

@@ -118,6 +118,17 @@ TEST_F(GptExample, EveryParallelModeTrainsTheSameAtOneRank) {
     ASSERT_EQ(run.exit_code, 0) << run.output;
     EXPECT_EQ(losses(name), reference) << name;
   }
+  // FSDP's mixed-precision policy from config: bf16 compute on fp32 masters. bf16 keeps 8 bits
+  // of mantissa; each step's loss is within 0.5% of the fp32 run's (measured: at most 1.4e-4
+  // relative over the 5 steps, and never equal).
+  const auto bf16 = train("fsdp_bf16", {"--parallel.mode=fsdp", "--parallel.param_dtype=bf16"});
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  const auto bf16_losses = losses("fsdp_bf16");
+  ASSERT_EQ(bf16_losses.size(), reference.size());
+  for (const auto& [step, loss] : reference) {
+    EXPECT_NEAR(bf16_losses.at(step), loss, 5e-3 * loss) << "step " << step;
+    EXPECT_NE(bf16_losses.at(step), loss) << "step " << step << ": bf16 compute changed nothing";
+  }
   const auto bad = train("bad", {"--parallel.mode=zero3"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_TRUE(testing::contains(bad.output, "parallel.mode is 'zero3'")) << bad.output;
