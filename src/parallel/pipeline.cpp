@@ -131,6 +131,143 @@ Pipeline::Pipeline(comm::Group& group, std::vector<StageFn> chunks, PipelineOpti
                           static_cast<int>(chunks_.size()));
 }
 
+namespace {
+
+using Kind = PipelineAction::Kind;
+
+// One step's activations and gradients between the virtual stages of `group`'s ranks. Each
+// (direction, receiving virtual stage) is a stream whose micro-batches all have the shape and
+// dtype of the first: a header with them goes once per stream and step, and the receiver posts
+// the recvs of the next micro-batches ahead of need, so that a transfer is one message whose
+// recv is usually posted already (a Gloo send completes only once its recv is posted).
+class StepTransfers {
+ public:
+  // Posts the header recvs of every stream into this rank's `chunks` virtual stages.
+  StepTransfers(comm::Group& group, const PipelineOptions& options, int chunks,
+                PipelineStats& stats)
+      : group_(group),
+        options_(options),
+        p_(group.size()),
+        m_(options.micro_batches),
+        last_stage_(group.size() * chunks - 1),
+        stats_(stats) {
+    for (int j = 0; j < chunks; ++j) {
+      const int stage = j * p_ + group.rank();
+      for (const Kind kind : {PipelineAction::kForward, PipelineAction::kBackward}) {
+        if ((kind == PipelineAction::kForward && stage == 0) ||
+            (kind == PipelineAction::kBackward && stage == last_stage_)) {
+          continue;
+        }
+        Incoming& in = incoming_[{kind, stage}];
+        in.header = torch::empty({2 + kMaxDims}, torch::kLong);
+        in.header_work = group_.recv(in.header, sender_of(kind, stage) % p_,
+                                     {.tag = tag(kind, stage, 0, 0), .timeout = options_.timeout});
+      }
+    }
+  }
+
+  // Sends micro-batch mb's tensor of stream (kind, receiver) to the receiver's rank.
+  void send(const at::Tensor& t, int receiver, Kind kind, int mb) {
+    const int dst = receiver % p_;
+    Pending out{nullptr, at::Tensor(), t.contiguous()};
+    const auto it = sent_.find({kind, receiver});
+    if (it == sent_.end()) {
+      out.header = header_of(t);
+      group_.send(out.header, dst, {.tag = tag(kind, receiver, 0, 0), .timeout = options_.timeout});
+      sent_[{kind, receiver}] = {t.sizes().vec(), t.scalar_type()};
+    } else {
+      LOOM_CHECK(it->second.first == t.sizes().vec() && it->second.second == t.scalar_type(),
+                 InvalidArgument, "Pipeline: stage ", sender_of(kind, receiver), " sends ",
+                 t.sizes(), " ", t.scalar_type(), " for micro-batch ", mb, " but ",
+                 at::IntArrayRef(it->second.first), " ", it->second.second,
+                 " for the first of the step; every micro-batch of a step must have one shape");
+    }
+    out.work = group_.send(out.payload, dst,
+                           {.tag = tag(kind, receiver, mb, 1), .timeout = options_.timeout});
+    sends_.push_back(std::move(out));
+  }
+
+  // Micro-batch mb's tensor of stream (kind, receiver), waited for up to the timeout.
+  at::Tensor receive(int receiver, Kind kind, int mb) {
+    const Clock::time_point wait_start = Clock::now();
+    Incoming& in = incoming_.at({kind, receiver});
+    if (in.shape.empty()) {
+      wait(in.header_work, receiver, kind, mb);
+      const auto* h = in.header.data_ptr<int64_t>();
+      in.shape.assign(h + 2, h + 2 + h[1]);
+      in.dtype = static_cast<at::ScalarType>(h[0]);
+    }
+    for (int k = mb; k <= std::min(mb + kLookahead, m_ - 1); ++k) {
+      if (in.posted.count(k) != 0) continue;
+      at::Tensor payload = torch::empty(in.shape, torch::dtype(in.dtype));
+      comm::WorkPtr work =
+          group_.recv(payload, sender_of(kind, receiver) % p_,
+                      {.tag = tag(kind, receiver, k, 1), .timeout = options_.timeout});
+      in.posted[k] = {payload, work};
+    }
+    auto [payload, work] = std::move(in.posted.at(mb));
+    in.posted.erase(mb);
+    wait(work, receiver, kind, mb);
+    stats_.wait_seconds += seconds_since(wait_start);
+    return payload;
+  }
+
+  // Waits for every send of the step.
+  void finish() {
+    for (Pending& out : sends_) out.work->wait(options_.timeout);
+  }
+
+ private:
+  static constexpr int kLookahead = 2;  // recvs posted ahead per stream
+  using Stream = std::pair<int, int>;   // (kind, receiving virtual stage)
+  struct Pending {
+    comm::WorkPtr work;
+    at::Tensor header, payload;  // alive until the send completes
+  };
+  struct Incoming {
+    at::Tensor header;
+    comm::WorkPtr header_work;
+    std::vector<int64_t> shape;  // empty until the header came
+    at::ScalarType dtype = at::kFloat;
+    std::map<int, std::pair<at::Tensor, comm::WorkPtr>> posted;  // by micro-batch
+  };
+
+  static int sender_of(Kind kind, int receiver) {
+    return kind == PipelineAction::kForward ? receiver - 1 : receiver + 1;
+  }
+  // Tags name the direction, the receiving virtual stage, the micro-batch and the part.
+  int tag(Kind kind, int receiver, int mb, int part) const {
+    return ((static_cast<int>(kind) * (last_stage_ + 1) + receiver) * m_ + mb) * 2 + part;
+  }
+  // The work's wait, its error naming the schedule, the stages and the micro-batch.
+  void wait(const comm::WorkPtr& work, int receiver, Kind kind, int mb) const {
+    auto context = [&](const Error& e) {
+      const int sender = sender_of(kind, receiver);
+      return detail::concat(
+          "Pipeline (", to_string(options_.schedule), "): stage ", receiver, " waiting for the ",
+          kind == PipelineAction::kForward ? "activation" : "gradient", " of micro-batch ", mb,
+          " from stage ", sender, " (pipeline rank ", sender % p_, "): ", e.what());
+    };
+    try {
+      work->wait(options_.timeout);
+    } catch (const Timeout& e) {
+      throw Timeout(context(e));
+    } catch (const CommError& e) {
+      throw CommError(context(e));
+    }
+  }
+
+  comm::Group& group_;
+  const PipelineOptions& options_;
+  const int p_, m_, last_stage_;
+  PipelineStats& stats_;
+  std::vector<Pending> sends_;
+  std::map<Stream, std::pair<std::vector<int64_t>, at::ScalarType>> sent_;
+  std::map<Stream, Incoming> incoming_;
+};
+
+}  // namespace
+
 double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
                       const PipelineLossFn& loss_fn) {
   const int p = group_.size(), s = group_.rank(), m = options_.micro_batches;
@@ -141,108 +278,7 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
   const int64_t rows = inputs.size(0) / m;
   const Clock::time_point start = Clock::now();
   stats_ = {};
-
-  // Tags name the receiving virtual stage, the direction, the micro-batch and the part.
-  auto tag = [&](PipelineAction::Kind kind, int receiver, int mb, int part) {
-    return ((static_cast<int>(kind) * (last_stage + 1) + receiver) * m + mb) * 2 + part;
-  };
-  // Each (direction, receiving virtual stage) is a stream whose micro-batches all have the
-  // shape and dtype of the first: a header with them goes once per stream and step, and the
-  // receiver posts the recvs of the next micro-batches ahead of need, so that a transfer is one
-  // message whose recv is usually posted already (a Gloo send waits for its recv's post).
-  using Stream = std::pair<int, int>;  // (kind, receiving virtual stage)
-  constexpr int kLookahead = 2;        // recvs posted ahead per stream
-  struct Pending {
-    comm::WorkPtr work;
-    at::Tensor header, payload;  // alive until the send completes
-  };
-  std::vector<Pending> sends;
-  std::map<Stream, std::pair<std::vector<int64_t>, at::ScalarType>> sent;
-  auto send = [&](const at::Tensor& t, int receiver, PipelineAction::Kind kind, int mb) {
-    const int dst = receiver % p;
-    const Stream stream{kind, receiver};
-    Pending out{nullptr, at::Tensor(), t.contiguous()};
-    const auto it = sent.find(stream);
-    if (it == sent.end()) {
-      out.header = header_of(t);
-      group_.send(out.header, dst, {.tag = tag(kind, receiver, 0, 0), .timeout = options_.timeout});
-      sent[stream] = {t.sizes().vec(), t.scalar_type()};
-    } else {
-      LOOM_CHECK(it->second.first == t.sizes().vec() && it->second.second == t.scalar_type(),
-                 InvalidArgument, "Pipeline: stage ",
-                 receiver + (kind == PipelineAction::kForward ? -1 : 1), " sends ", t.sizes(), " ",
-                 t.scalar_type(), " for micro-batch ", mb, " but ",
-                 at::IntArrayRef(it->second.first), " ", it->second.second,
-                 " for the first of the step; every micro-batch of a step must have one shape");
-    }
-    out.work = group_.send(out.payload, dst,
-                           {.tag = tag(kind, receiver, mb, 1), .timeout = options_.timeout});
-    sends.push_back(std::move(out));
-  };
-  struct Incoming {
-    at::Tensor header;
-    comm::WorkPtr header_work;
-    std::vector<int64_t> shape;  // empty until the header came
-    at::ScalarType dtype = at::kFloat;
-    std::map<int, std::pair<at::Tensor, comm::WorkPtr>> posted;  // by micro-batch
-  };
-  std::map<Stream, Incoming> incoming;
-  auto sender_of = [](PipelineAction::Kind kind, int receiver) {
-    return kind == PipelineAction::kForward ? receiver - 1 : receiver + 1;
-  };
-  // Every stream this rank receives: its header's recv, posted now.
-  for (int j = 0; j < v; ++j) {
-    const int stage = j * p + s;
-    for (const auto kind : {PipelineAction::kForward, PipelineAction::kBackward}) {
-      if ((kind == PipelineAction::kForward && stage == 0) ||
-          (kind == PipelineAction::kBackward && stage == last_stage)) {
-        continue;
-      }
-      Incoming& in = incoming[{kind, stage}];
-      in.header = torch::empty({2 + kMaxDims}, torch::kLong);
-      in.header_work = group_.recv(in.header, sender_of(kind, stage) % p,
-                                   {.tag = tag(kind, stage, 0, 0), .timeout = options_.timeout});
-    }
-  }
-  auto receive = [&](int receiver, PipelineAction::Kind kind, int mb) {
-    const int sender = sender_of(kind, receiver);
-    const Clock::time_point wait_start = Clock::now();
-    const char* what = kind == PipelineAction::kForward ? "activation" : "gradient";
-    auto wait = [&](const comm::WorkPtr& work) {
-      auto context = [&](const Error& e) {
-        return detail::concat("Pipeline (", to_string(options_.schedule), "): stage ", receiver,
-                              " waiting for the ", what, " of micro-batch ", mb, " from stage ",
-                              sender, " (pipeline rank ", sender % p, "): ", e.what());
-      };
-      try {
-        work->wait(options_.timeout);
-      } catch (const Timeout& e) {
-        throw Timeout(context(e));
-      } catch (const CommError& e) {
-        throw CommError(context(e));
-      }
-    };
-    Incoming& in = incoming.at({kind, receiver});
-    if (in.shape.empty()) {
-      wait(in.header_work);
-      const auto* h = in.header.data_ptr<int64_t>();
-      in.shape.assign(h + 2, h + 2 + h[1]);
-      in.dtype = static_cast<at::ScalarType>(h[0]);
-    }
-    auto post = [&](int k) {
-      if (k >= m || in.posted.count(k) != 0) return;
-      at::Tensor payload = torch::empty(in.shape, torch::dtype(in.dtype));
-      comm::WorkPtr work = group_.recv(
-          payload, sender % p, {.tag = tag(kind, receiver, k, 1), .timeout = options_.timeout});
-      in.posted[k] = {payload, work};
-    };
-    for (int k = mb; k <= mb + kLookahead; ++k) post(k);
-    auto [payload, work] = std::move(in.posted.at(mb));
-    in.posted.erase(mb);
-    wait(work);
-    stats_.wait_seconds += seconds_since(wait_start);
-    return payload;
-  };
+  StepTransfers transfers(group_, options_, v, stats_);
 
   // What a micro-batch's forward left for its backward, by (chunk, micro-batch).
   struct InFlight {
@@ -253,8 +289,9 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
   for (const PipelineAction& a : pipeline_schedule(options_.schedule, s, p, m, v)) {
     const int stage = a.chunk * p + s;
     if (a.kind == PipelineAction::kForward) {
-      at::Tensor input = stage == 0 ? inputs.narrow(0, rows * a.micro_batch, rows)
-                                    : receive(stage, PipelineAction::kForward, a.micro_batch);
+      at::Tensor input = stage == 0
+                             ? inputs.narrow(0, rows * a.micro_batch, rows)
+                             : transfers.receive(stage, PipelineAction::kForward, a.micro_batch);
       if (stage > 0 && input.is_floating_point()) input.requires_grad_(true);
       const Clock::time_point compute_start = Clock::now();
       at::Tensor output = chunks_[static_cast<size_t>(a.chunk)](input);
@@ -263,15 +300,16 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
         loss_sum += output.detach().item<double>();
       }
       stats_.compute_seconds += seconds_since(compute_start);
-      if (stage != last_stage)
-        send(output.detach(), stage + 1, PipelineAction::kForward, a.micro_batch);
+      if (stage != last_stage) {
+        transfers.send(output.detach(), stage + 1, PipelineAction::kForward, a.micro_batch);
+      }
       in_flight[{a.chunk, a.micro_batch}] = {input, output};
     } else {
       InFlight f = std::move(in_flight.at({a.chunk, a.micro_batch}));
       in_flight.erase({a.chunk, a.micro_batch});
-      const at::Tensor grad = stage == last_stage
-                                  ? at::Tensor()
-                                  : receive(stage, PipelineAction::kBackward, a.micro_batch);
+      const at::Tensor grad =
+          stage == last_stage ? at::Tensor()
+                              : transfers.receive(stage, PipelineAction::kBackward, a.micro_batch);
       const Clock::time_point compute_start = Clock::now();
       if (stage == last_stage) {
         f.output.backward();
@@ -280,11 +318,11 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
       }
       stats_.compute_seconds += seconds_since(compute_start);
       if (stage > 0 && f.input.requires_grad()) {
-        send(f.input.grad(), stage - 1, PipelineAction::kBackward, a.micro_batch);
+        transfers.send(f.input.grad(), stage - 1, PipelineAction::kBackward, a.micro_batch);
       }
     }
   }
-  for (Pending& out : sends) out.work->wait(options_.timeout);
+  transfers.finish();
   // The loss from the last stage's rank to every rank.
   at::Tensor loss = torch::full({1}, loss_sum, torch::kDouble);
   group_.broadcast(loss, {.root = last_stage % p, .timeout = options_.timeout})
