@@ -8,6 +8,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <limits>
 #include <mutex>
 #include <set>
 
@@ -522,6 +523,69 @@ TEST(GptComposed, PipelineDataAndTensorParallelTwoByTwoByTwoAsProcesses) {
     torch::set_num_threads(1);
     check_composed_rank(r, layout, composed_reference(layout.dp));
   }));
+}
+
+// The whole model's gradient norm under pp x tp (tp::grad_norm, clip_grad_norm): equal to
+// torch's clip_grad_norm_ of the plain model on the same batch, and the clipped gradients too.
+TEST(GptModelParallelNorm, ClippingUsesTheWholeModelsNorm) {
+  torch::set_num_threads(1);
+  const auto [x, y] = pipeline_batch(0, 1);
+  Gpt plain = build({}, deep());
+  plain->loss(x, y).backward();
+  std::vector<at::Tensor> plain_params = plain->parameters();
+  const double expected =
+      torch::nn::utils::clip_grad_norm_(plain_params, std::numeric_limits<double>::infinity());
+  const double max_norm = expected / 4;  // clips
+  std::map<std::string, at::Tensor> clipped;
+  {
+    torch::nn::utils::clip_grad_norm_(plain_params, max_norm);
+    for (const auto& item : plain->named_parameters())
+      clipped[item.key()] = item.value().grad().clone();
+  }
+  for (const int pp : {1, 2}) {
+    for (const int tp : {1, 2, 4}) {
+      if (pp * tp == 1) continue;
+      expect_all_ok(run_threads(pp * tp, [&](Rank& r) {
+        loom::comm::GlooOptions options;
+        options.connect_timeout = std::chrono::seconds(20);
+        auto world = loom::comm::new_gloo_group(r.store, r.rank, r.world, options);
+        DeviceMesh mesh(*world, {{"pp", pp}, {"tp", tp}});
+        Gpt model = build({.tp = &mesh.group("tp")}, deep());
+        const int s = mesh.coordinate("pp");
+        const auto [begin, end] = GptImpl::stage_layers(deep(), s, pp);
+        std::set<const void*> mine;
+        for (const at::Tensor& t : model->stage_parameters(begin, end)) mine.insert(t.data_ptr());
+        if (pp > 1 && s == pp - 1) mine.erase(model->wte->weight.data_ptr());  // on stage 0
+        std::vector<tp::ShardedParameter> params;
+        for (const tp::ShardedParameter& p : tp::sharded_parameters(*model)) {
+          if (mine.count(p.tensor.data_ptr()) != 0) params.push_back(p);
+        }
+        Pipeline pipe(mesh.group("pp"), {[&model, begin = begin, end = end](const at::Tensor& in) {
+                        return model->forward_stage(in, begin, end);
+                      }},
+                      {.micro_batches = kMicroBatches, .timeout = std::chrono::seconds(60)});
+        pipe.step(x, y, [&](const at::Tensor& logits, const at::Tensor& targets) {
+          return model->loss_from_logits(logits, targets);
+        });
+        if (pp > 1 && (s == 0 || s == pp - 1)) {
+          auto tied = mesh.group("pp").new_subgroup({0, pp - 1});
+          tied->all_reduce(model->wte->weight.mutable_grad())->wait(std::chrono::seconds(60));
+        }
+        const std::string what = "pp" + std::to_string(pp) + " x tp" + std::to_string(tp);
+        const double norm =
+            tp::clip_grad_norm(params, max_norm, &mesh.group("tp"), &mesh.group("pp"));
+        expect_close_per_element(torch::tensor({norm}, torch::kDouble),
+                                 torch::tensor({expected}, torch::kDouble), what + ": norm");
+        for (const tp::ShardedParameter& p : params) {
+          const at::Tensor want =
+              p.spec.replicated()
+                  ? clipped.at(p.name)
+                  : tp::shard(clipped.at(p.name), p.spec.dim, &mesh.group("tp"), p.spec.partitions);
+          expect_close_per_element(p.tensor.grad(), want, what + ": clipped " + p.name);
+        }
+      }));
+    }
+  }
 }
 
 TEST(GptPipelineErrors, LayersThatDoNotDivideIntoStagesAreNamed) {

@@ -4,6 +4,8 @@
 
 #include <torch/autograd.h>
 
+#include <cmath>
+
 #include "loom/error.h"
 
 namespace loom::parallel::tp {
@@ -230,6 +232,35 @@ std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
   std::vector<int64_t> shape = local.sizes().vec();
   if (!spec.replicated()) shape[static_cast<size_t>(spec.dim)] *= size_of(group);
   return shape;
+}
+
+double grad_norm(const std::vector<ShardedParameter>& params, comm::Group* tp, comm::Group* pp,
+                 milliseconds timeout) {
+  // [sharded, replicated] sums of squares, in double.
+  at::Tensor sums = torch::zeros({2}, torch::kDouble);
+  for (const ShardedParameter& p : params) {
+    const at::Tensor& g = p.tensor.grad();
+    if (!g.defined()) continue;
+    sums[p.spec.replicated() ? 1 : 0] += g.detach().to(torch::kDouble).square().sum();
+  }
+  at::Tensor sharded = sums.narrow(0, 0, 1).contiguous();
+  if (parallel(tp)) tp->all_reduce(sharded)->wait(timeout);
+  at::Tensor total = sharded + sums.narrow(0, 1, 1);
+  if (parallel(pp)) pp->all_reduce(total)->wait(timeout);
+  return std::sqrt(total.item<double>());
+}
+
+double clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm, comm::Group* tp,
+                      comm::Group* pp, milliseconds timeout) {
+  const double norm = grad_norm(params, tp, pp, timeout);
+  const double coefficient = max_norm / (norm + 1e-6);
+  if (coefficient < 1) {
+    torch::NoGradGuard no_grad;
+    for (const ShardedParameter& p : params) {
+      if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(coefficient);
+    }
+  }
+  return norm;
 }
 
 // ---- ColumnParallelLinear ----

@@ -91,6 +91,21 @@ std::vector<ShardedParameter> sharded_parameters(const torch::nn::Module& root);
 std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
                                 const comm::Group* group);
 
+// The 2-norm of the gradients of a model split by tensor parallelism over `tp` and, with `pp`,
+// into pipeline stages: the squares of sharded parameters' gradients summed over tp, those of
+// replicated ones counted once, every stage's summed over pp. `params` are this rank's
+// parameters with their splits (sharded_parameters(), or a stage's part of them); across a
+// pipeline each parameter must be listed on one stage only (a tied embedding on the first,
+// not again on the last). Parameters without a gradient count 0. Collective over tp and pp; the
+// same value on every rank.
+double grad_norm(const std::vector<ShardedParameter>& params, comm::Group* tp,
+                 comm::Group* pp = nullptr, milliseconds timeout = comm::kDefaultCollectiveTimeout);
+// torch::nn::utils::clip_grad_norm_'s rule on that norm: every gradient in `params` is scaled by
+// min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping.
+double clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm, comm::Group* tp,
+                      comm::Group* pp = nullptr,
+                      milliseconds timeout = comm::kDefaultCollectiveTimeout);
+
 struct ColumnParallelOptions {
   bool bias = true;
   // Gather the output along its last dim so every rank has all features (the usual last
