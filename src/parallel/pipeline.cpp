@@ -142,14 +142,16 @@ using Kind = PipelineAction::Kind;
 // recv is usually posted already (a Gloo send completes only once its recv is posted).
 class StepTransfers {
  public:
-  // Posts the header recvs of every stream into this rank's `chunks` virtual stages.
+  // Posts the header recvs of every stream into this rank's `chunks` virtual stages. Headers
+  // and received tensors live on `device` (the batch's: a device group takes device tensors).
   StepTransfers(comm::Group& group, const PipelineOptions& options, int chunks,
-                PipelineStats& stats)
+                const at::Device& device, PipelineStats& stats)
       : group_(group),
         options_(options),
         p_(group.size()),
         m_(options.micro_batches),
         last_stage_(group.size() * chunks - 1),
+        device_(device),
         stats_(stats) {
     for (int j = 0; j < chunks; ++j) {
       const int stage = j * p_ + group.rank();
@@ -159,7 +161,7 @@ class StepTransfers {
           continue;
         }
         Incoming& in = incoming_[{kind, stage}];
-        in.header = torch::empty({2 + kMaxDims}, torch::kLong);
+        in.header = torch::empty({2 + kMaxDims}, torch::dtype(torch::kLong).device(device_));
         in.header_work = group_.recv(in.header, sender_of(kind, stage) % p_,
                                      {.tag = tag(kind, stage, 0, 0), .timeout = options_.timeout});
       }
@@ -172,7 +174,7 @@ class StepTransfers {
     Pending out{nullptr, at::Tensor(), t.contiguous()};
     const auto it = sent_.find({kind, receiver});
     if (it == sent_.end()) {
-      out.header = header_of(t);
+      out.header = header_of(t).to(t.device());
       group_.send(out.header, dst, {.tag = tag(kind, receiver, 0, 0), .timeout = options_.timeout});
       sent_[{kind, receiver}] = {t.sizes().vec(), t.scalar_type()};
     } else {
@@ -193,13 +195,14 @@ class StepTransfers {
     Incoming& in = incoming_.at({kind, receiver});
     if (in.shape.empty()) {
       wait(in.header_work, receiver, kind, mb);
-      const auto* h = in.header.data_ptr<int64_t>();
+      const at::Tensor host = in.header.cpu();
+      const auto* h = host.data_ptr<int64_t>();
       in.shape.assign(h + 2, h + 2 + h[1]);
       in.dtype = static_cast<at::ScalarType>(h[0]);
     }
     for (int k = mb; k <= std::min(mb + kLookahead, m_ - 1); ++k) {
       if (in.posted.count(k) != 0) continue;
-      at::Tensor payload = torch::empty(in.shape, torch::dtype(in.dtype));
+      at::Tensor payload = torch::empty(in.shape, torch::dtype(in.dtype).device(device_));
       comm::WorkPtr work =
           group_.recv(payload, sender_of(kind, receiver) % p_,
                       {.tag = tag(kind, receiver, k, 1), .timeout = options_.timeout});
@@ -260,6 +263,7 @@ class StepTransfers {
   comm::Group& group_;
   const PipelineOptions& options_;
   const int p_, m_, last_stage_;
+  const at::Device device_;
   PipelineStats& stats_;
   std::vector<Pending> sends_;
   std::map<Stream, std::pair<std::vector<int64_t>, at::ScalarType>> sent_;
@@ -278,7 +282,7 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
   const int64_t rows = inputs.size(0) / m;
   const Clock::time_point start = Clock::now();
   stats_ = {};
-  StepTransfers transfers(group_, options_, v, stats_);
+  StepTransfers transfers(group_, options_, v, inputs.device(), stats_);
 
   // What a micro-batch's forward left for its backward, by (chunk, micro-batch).
   struct InFlight {
@@ -324,7 +328,8 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
   }
   transfers.finish();
   // The loss from the last stage's rank to every rank.
-  at::Tensor loss = torch::full({1}, loss_sum, torch::kDouble);
+  at::Tensor loss =
+      torch::full({1}, loss_sum, torch::dtype(torch::kDouble).device(inputs.device()));
   group_.broadcast(loss, {.root = last_stage % p, .timeout = options_.timeout})
       ->wait(options_.timeout);
   stats_.step_seconds = seconds_since(start);

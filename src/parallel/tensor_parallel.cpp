@@ -236,8 +236,13 @@ std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
 
 double grad_norm(const std::vector<ShardedParameter>& params, comm::Group* tp, comm::Group* pp,
                  milliseconds timeout) {
-  // [sharded, replicated] sums of squares, in double.
-  at::Tensor sums = torch::zeros({2}, torch::kDouble);
+  // [sharded, replicated] sums of squares, in double, on the gradients' device (a device
+  // group takes device tensors).
+  at::Device device = at::kCPU;
+  for (const ShardedParameter& p : params) {
+    if (p.tensor.grad().defined()) device = p.tensor.grad().device();
+  }
+  at::Tensor sums = torch::zeros({2}, torch::dtype(torch::kDouble).device(device));
   for (const ShardedParameter& p : params) {
     const at::Tensor& g = p.tensor.grad();
     if (!g.defined()) continue;
