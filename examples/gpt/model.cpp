@@ -133,13 +133,9 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input, int64_t begin, 
       x = wte->forward(input) + wpe->forward(positions);
     }
   }
-  // The blocks through the Sequential's modules, so wrapped blocks (FSDP units, activation
-  // checkpointing) run as they do in blocks->forward.
-  if (begin == 0 && end == config_.n_layer) {
-    x = blocks->forward(x);
-  } else {
-    for (auto it = blocks->begin() + begin; it != blocks->begin() + end; ++it) x = it->forward(x);
-  }
+  // The blocks through the Sequential's modules (what blocks->forward does), so wrapped blocks
+  // (FSDP units, activation checkpointing) run as they do there.
+  for (auto it = blocks->begin() + begin; it != blocks->begin() + end; ++it) x = it->forward(x);
   if (end == config_.n_layer) x = local_logits(norm(ln_f, x, parallel_));
   return x;
 }

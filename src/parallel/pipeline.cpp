@@ -126,9 +126,9 @@ Pipeline::Pipeline(comm::Group& group, std::vector<StageFn> chunks, PipelineOpti
   LOOM_CHECK(!chunks_.empty(), InvalidArgument, "Pipeline: no stage function given");
   LOOM_CHECK(options_.micro_batches >= 1, InvalidArgument, "Pipeline: ", options_.micro_batches,
              " micro-batches; use at least 1");
-  // Validates the combination once, here rather than at the first step.
-  (void)pipeline_schedule(options_.schedule, group_.rank(), group_.size(), options_.micro_batches,
-                          static_cast<int>(chunks_.size()));
+  // Checks the combination here rather than at the first step; every step runs this list.
+  actions_ = pipeline_schedule(options_.schedule, group_.rank(), group_.size(),
+                               options_.micro_batches, static_cast<int>(chunks_.size()));
 }
 
 namespace {
@@ -290,7 +290,7 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets,
   };
   std::map<std::pair<int, int>, InFlight> in_flight;
   double loss_sum = 0;
-  for (const PipelineAction& a : pipeline_schedule(options_.schedule, s, p, m, v)) {
+  for (const PipelineAction& a : actions_) {
     const int stage = a.chunk * p + s;
     if (a.kind == PipelineAction::kForward) {
       at::Tensor input = stage == 0

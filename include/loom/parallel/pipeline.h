@@ -102,6 +102,7 @@ class Pipeline {
   comm::Group& group_;
   std::vector<StageFn> chunks_;
   PipelineOptions options_;
+  std::vector<PipelineAction> actions_;  // this rank's schedule
   PipelineStats stats_;
 };
 
