@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -16,8 +17,12 @@
 #include <thread>
 
 #include "bench_report.h"
+#ifdef LOOM_BENCH_REMOTE
+#include "harness/servers.h"
+#endif
 #include "data/shard_format.h"
 #include "loom/data/reader.h"
+#include "loom/data/remote.h"
 #include "loom/error.h"
 #include "util/mapped_file.h"
 #include "util/subprocess.h"
@@ -35,6 +40,10 @@ struct Settings {
   double seconds = 2.0;
   std::string python = "/usr/bin/python3";
   std::string work_dir;
+  std::string mode = "local";
+  int rounds = 5;
+  double compute_ms = 40;
+  std::string rate = "8m";
   bool json = false;
 };
 
@@ -318,6 +327,145 @@ double restore_seconds(loom::data::Reader& reader, uint64_t position) {
   return seconds_since(start);
 }
 
+#ifdef LOOM_BENCH_REMOTE
+// The median and the spread (max - min) of `v`.
+std::pair<double, double> median_spread(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.back() - v.front()};
+}
+
+// Milliseconds for a fresh reader with a cold cache to deliver `steps` steps of one sample each,
+// the trainer's compute taking compute_ms per step, with or without the lookahead.
+double cold_read_seconds(const std::string& url, const fs::path& cache, const Settings& s,
+                         uint64_t steps, bool lookahead) {
+  fs::remove_all(cache);
+  loom::data::ReaderOptions o{.batch_size = 1, .seq_len = s.seq_len, .prefetch = 2};
+  o.cache.dir = cache;
+  o.lookahead_steps = lookahead ? 256 : 0;
+  o.remote.backoff_s = 0.005;  // the one-connection server answers 503 to a second request
+  o.remote.backoff_max_s = 0.02;
+  o.remote.attempts = 1000;
+  const auto start = Clock::now();
+  loom::data::Reader reader(url, o);
+  for (uint64_t i = 0; i < steps; ++i) {
+    reader.next();
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(s.compute_ms));
+  }
+  return seconds_since(start) * 1e3;
+}
+
+// The least time a cold start of `steps` one-sample steps can take on a server sending `rate`
+// bytes per second: step k cannot start before the shards steps 0..k read have all arrived,
+// however well they are ordered, and every step after it takes compute_ms.
+double cold_order_bound_ms(const fs::path& ds, const Settings& s, uint64_t steps, double rate) {
+  const loom::data::Manifest m = loom::data::read_manifest(ds);
+  std::vector<uint64_t> begins{0};
+  for (const auto& shard : m.shards) begins.push_back(begins.back() + shard.items);
+  const uint64_t samples = (m.total_items() - 1) / static_cast<uint64_t>(s.seq_len);
+  loom::data::GlobalSampler sampler({.num_samples = samples, .seed = 0, .per_rank_batch = 1});
+  std::vector<bool> have(m.shards.size());
+  double bytes = 0, bound = 0;
+  for (uint64_t k = 0; k < steps; ++k) {
+    const uint64_t i = sampler.next_batch().indices[0];
+    for (uint64_t t : {i * s.seq_len, i * s.seq_len + s.seq_len}) {
+      const size_t shard = std::upper_bound(begins.begin(), begins.end(), t) - begins.begin() - 1;
+      if (!have[shard]) bytes += static_cast<double>(m.shards[shard].bytes);
+      have[shard] = true;
+    }
+    bound = std::max(bound, bytes / rate * 1e3 + static_cast<double>(steps - k) * s.compute_ms);
+  }
+  return bound;
+}
+
+// Remote datasets: through a warm node cache beside the local directory (both read by the
+// same Reader code; the remote one from the cache's copies), and a cold start on a server
+// throttled to a fixed bandwidth, with the lookahead beside without it.
+void remote_cases(const Settings& s, const fs::path& work) {
+  const fs::path kjv = work / "kjv";
+  {
+    loom::testing::Nginx nginx(work);
+    loom::data::ReaderOptions o{.batch_size = s.token_batch, .seq_len = s.seq_len, .prefetch = 4};
+    o.cache.dir = work / "cache-warm";
+    loom::data::Reader(nginx.url() + "/kjv", o).next();  // warms the cache
+    std::vector<double> remote, local, ratio;
+    for (int round = 0; round < s.rounds; ++round) {
+      remote.push_back(reader_rate(nginx.url() + "/kjv", o, 1, s.seconds) * s.seq_len);
+      local.push_back(reader_rate(kjv, o, 1, s.seconds) * s.seq_len);
+      ratio.push_back(remote.back() / local.back());
+    }
+    const auto [r, r_spread] = median_spread(remote);
+    const auto [l, l_spread] = median_spread(local);
+    report(s, {"data",
+               "remote/warm-cache/W1/T" + std::to_string(s.seq_len),
+               r,
+               l,
+               "the same reader on the local directory",
+               "tokens/s",
+               median_spread(ratio).first,
+               {{"rounds", static_cast<double>(s.rounds)},
+                {"loom_spread", r_spread},
+                {"baseline_spread", l_spread}}});
+  }
+  // 16 shards of 1 MiB on a server that sends one response at a time at s.rate.
+  const fs::path many = work / "many";
+  if (!fs::exists(many / "manifest.json")) {
+    fs::remove_all(many);
+    loom::data::TokenDatasetWriter writer(many, {.vocab_size = 50000, .tokens_per_shard = 1 << 19});
+    std::vector<uint32_t> doc(1000);
+    for (uint32_t i = 0; writer.tokens_written() < (16u << 19) - 1000; ++i) {
+      for (uint32_t& t : doc) t = (t * 31 + i) % 50000;
+      writer.add_document(doc);
+    }
+    writer.finish();
+  }
+  loom::testing::Nginx nginx(work, {.limit_rate = s.rate, .max_connections = 1});
+  const uint64_t steps = 64;
+  // The server's bandwidth as a download sees it: two shards, one after the other.
+  double rate = 0;
+  {
+    const loom::data::Manifest m = loom::data::read_manifest(many);
+    loom::data::RemoteClient client;
+    const auto start = Clock::now();
+    for (int i = 0; i < 2; ++i) {
+      fs::remove(work / "rate.part");
+      client.download(nginx.url() + "/many/" + m.shards[i].file, work / "rate.part",
+                      m.shards[i].bytes);
+      rate += static_cast<double>(m.shards[i].bytes);
+    }
+    rate /= seconds_since(start);
+  }
+  const double bound = cold_order_bound_ms(many, s, steps, rate);
+  std::vector<double> with, without, ratio;
+  for (int round = 0; round < s.rounds; ++round) {
+    without.push_back(
+        cold_read_seconds(nginx.url() + "/many", work / "cache-cold", s, steps, false));
+    with.push_back(cold_read_seconds(nginx.url() + "/many", work / "cache-cold", s, steps, true));
+    ratio.push_back(without.back() / with.back());
+  }
+  const auto [w, w_spread] = median_spread(with);
+  const auto [wo, wo_spread] = median_spread(without);
+  report(s, {"data",
+             "remote/cold/lookahead/" + s.rate + "/" + std::to_string(steps) + "steps",
+             w,
+             wo,
+             "the same without the lookahead",
+             "ms",
+             median_spread(ratio).first,
+             {{"rounds", static_cast<double>(s.rounds)},
+              {"loom_spread", w_spread},
+              {"baseline_spread", wo_spread},
+              {"compute_ms", s.compute_ms},
+              {"order_bound_ms", bound},
+              {"bandwidth_bytes_per_s", rate}}});
+  if (!s.json) {
+    std::printf(
+        "  the order's bound for that cold start at the measured %.1f MiB/s: %.0f ms "
+        "(the lookahead at %.2fx of it)\n",
+        rate / (1 << 20), bound, bound / w);
+  }
+}
+#endif
+
 int run(const Settings& s) {
   const fs::path work =
       s.work_dir.empty() ? fs::temp_directory_path() / "loom-bench-data" : fs::path(s.work_dir);
@@ -325,6 +473,15 @@ int run(const Settings& s) {
   if (!s.json) {
     std::printf("%-30s %14s %14s  %-34s %7s  %s\n", "case", "loom", "baseline", "baseline", "ratio",
                 "unit");
+  }
+  if (s.mode == "remote") {
+#ifdef LOOM_BENCH_REMOTE
+    remote_cases(s, work);
+    return 0;
+#else
+    throw loom::Error(
+        "--mode=remote needs the test harness's servers: build with LOOM_BUILD_TESTS=ON");
+#endif
   }
   const fs::path kjv = work / "kjv";
   compare(s, work,
@@ -392,6 +549,17 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--work-dir", s.work_dir,
                  "where the datasets are built (kept; default $TMPDIR/loom-bench-data)");
+  app.add_option("--mode", s.mode,
+                 "local: the Reader beside the limit and the DataLoader; remote: through nginx "
+                 "on loopback (warm cache beside local, cold start with and without lookahead)")
+      ->check(CLI::IsMember({"local", "remote"}))
+      ->capture_default_str();
+  app.add_option("--rounds", s.rounds, "remote: rounds, the two sides interleaved")
+      ->capture_default_str();
+  app.add_option("--compute-ms", s.compute_ms, "remote cold start: the trainer's time per step")
+      ->capture_default_str();
+  app.add_option("--rate", s.rate, "remote cold start: the server's bandwidth (nginx limit_rate)")
+      ->capture_default_str();
   app.add_flag("--json", s.json, "print one JSON object per row");
   CLI11_PARSE(app, argc, argv);
   try {

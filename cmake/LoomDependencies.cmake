@@ -11,6 +11,7 @@ find_package(Gloo REQUIRED)  # CPU collectives (libgloo-dev); target gloo
 find_package(CLI11 CONFIG REQUIRED)  # the loom tool and the benchmarks' command lines
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)  # checksums (libxxhash-dev)
+find_package(CURL 7.75 REQUIRED)  # remote datasets: http(s) and S3 SigV4 (libcurl4-openssl-dev)
 # SentencePiece is used through its command-line tools (spm_train, spm_encode): its library
 # bundles protobuf 3.14, which clashes with the protobuf libtorch loads (a crash at start-up).
 

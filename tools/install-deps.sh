@@ -14,6 +14,9 @@ packages=(
   libxxhash-dev zlib1g-dev
   libsentencepiece-dev sentencepiece
   libcpp-httplib-dev
+  libcurl4-openssl-dev  # remote datasets (http, https, s3)
+  curl                  # the S3 tests upload to s3rver with it
+  nginx-light           # the remote-dataset tests serve shards with it on loopback
   bible-kjv bible-kjv-text dataset-fashion-mnist
   python3-torch python3-numpy
   openssl  # the TLS tests make their certificates with it
@@ -26,15 +29,25 @@ for p in "${packages[@]}"; do
   fi
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-  echo "install-deps: all ${#packages[@]} packages present"
-  exit 0
-fi
-
-echo "install-deps: installing ${#missing[@]} missing package(s): ${missing[*]}"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -q
-$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+# npm: Debian's nodejs and npm, unless a node with npm is already installed (e.g. NodeSource's).
+if ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+else
+  echo "install-deps: installing ${#missing[@]} missing package(s): ${missing[*]}"
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# The S3-compatible server the remote-dataset tests start on loopback (s3rver, from npm),
+# pinned by tools/s3rver/package-lock.json.
+root="$(cd "$(dirname "$0")/.." && pwd)"
+if [ ! -x "$root/tools/s3rver/node_modules/.bin/s3rver" ]; then
+  echo "install-deps: installing s3rver from npm into tools/s3rver/node_modules"
+  npm ci --prefix "$root/tools/s3rver" --no-audit --no-fund --loglevel=error
+fi
 echo "install-deps: done"

@@ -255,19 +255,13 @@ void check_file(const fs::path& dir, const FileInfo& f, const char* role) {
              ": it changed after the build; restore it or rebuild the dataset");
 }
 
-}  // namespace format
-
-Manifest read_manifest(const fs::path& dir) {
-  LOOM_CHECK(fs::is_directory(dir), IoError, "dataset directory ", dir.string(),
-             " does not exist; build one with `loom data build`");
-  const fs::path file = dir / format::kManifestFile;
-  LOOM_CHECK(fs::exists(file), IoError, dir.string(),
-             " has no manifest.json: it is not a dataset, or its build did not finish; rebuild it");
+Manifest parse_manifest_text(const std::string& text, const std::string& name) {
+  const fs::path file = name;
   json j;
   try {
-    j = json::parse(util::read_file(file));
+    j = json::parse(text);
   } catch (const json::parse_error& e) {
-    throw CorruptData(detail::concat(file.string(), " is not valid JSON: ", e.what()));
+    throw CorruptData(detail::concat(name, " is not valid JSON: ", e.what()));
   }
   Manifest m = parse_manifest(j, file);
   const std::string expected = format::content_version(m);
@@ -282,6 +276,17 @@ Manifest read_manifest(const fs::path& dir) {
                actual, " but it claims ", claimed, "; rebuild the dataset");
   }
   return m;
+}
+
+}  // namespace format
+
+Manifest read_manifest(const fs::path& dir) {
+  LOOM_CHECK(fs::is_directory(dir), IoError, "dataset directory ", dir.string(),
+             " does not exist; build one with `loom data build`");
+  const fs::path file = dir / format::kManifestFile;
+  LOOM_CHECK(fs::exists(file), IoError, dir.string(),
+             " has no manifest.json: it is not a dataset, or its build did not finish; rebuild it");
+  return format::parse_manifest_text(util::read_file(file), file.string());
 }
 
 void check_tokenizer_files(const fs::path& dir, const Manifest& m) {

@@ -15,6 +15,10 @@ namespace loom::data::format {
 // serialized its whole manifest, so that format 1 versions stay what they were.
 std::string content_version(const Manifest& m);
 
+// Parses and checks the text of a manifest.json, named `name` in errors (a path or a URL):
+// what read_manifest does once it has read the file.
+Manifest parse_manifest_text(const std::string& text, const std::string& name);
+
 // Writes `m` as a current-format manifest.json into `dir`, atomically and durably (the
 // directory is fsynced first, so the shards it names are durable before it). Sets
 // m.format_version and m.version; keeps m.previous_version. IoError naming the file.

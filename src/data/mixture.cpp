@@ -157,15 +157,18 @@ Mixture::Mixture(std::vector<MixtureSource> sources, MixtureOptions options)
     LOOM_CHECK(std::isfinite(source.weight) && source.weight > 0, InvalidArgument,
                "Mixture: source ", s, " (", source.dataset.string(), ") has weight ", source.weight,
                "; weights must be positive and finite");
-    m.readers.push_back(std::make_unique<Reader>(
-        source.dataset, ReaderOptions{.batch_size = 1,
-                                      .seq_len = options.seq_len,
-                                      .sampling = options.sampling,
-                                      .pad_id = options.pad_id,
-                                      .seed = options.seed,
-                                      .prefetch = 0,
-                                      .verify_chunks = options.verify_chunks,
-                                      .registry = options.registry}));
+    ReaderOptions ro{.batch_size = 1,
+                     .seq_len = options.seq_len,
+                     .sampling = options.sampling,
+                     .pad_id = options.pad_id,
+                     .seed = options.seed,
+                     .prefetch = 0,
+                     .verify_chunks = options.verify_chunks,
+                     .registry = options.registry};
+    ro.remote = options.remote;
+    ro.cache = options.cache;
+    ro.lookahead_steps = 0;
+    m.readers.push_back(std::make_unique<Reader>(source.dataset, ro));
     m.sizes.push_back(m.readers.back()->num_samples());
     m.order_seeds.push_back(util::splitmix64(options.seed ^ kOrderTag, s));
     if (source.epochs == SourceEpochs::kRepeat) m.all_stop = false;

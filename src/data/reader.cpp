@@ -10,10 +10,13 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "data/chunk_check.h"
+#include "data/manifest.h"
 #include "data/shard_format.h"
+#include "loom/data/cache.h"
 #include "loom/data/registry.h"
 #include "loom/error.h"
 #include "util/hash.h"
@@ -44,39 +47,63 @@ void widen(const uint8_t* src, size_t count, int64_t* out) {
   for (size_t i = 0; i < count; ++i) out[i] = static_cast<int64_t>(p[i]);
 }
 
-// Everything a batch is read from; immutable after construction, so the prefetch thread and
-// read() may use it concurrently.
+// One shard ready to read: mapped, with its chunk checks (local token shards) or its cache pin
+// (remote shards, verified whole when the cache handed them out).
+struct OpenShard {
+  NodeCache::Pin pin;
+  std::optional<format::TokenShard> tokens;
+  std::optional<format::RecordShard> records;
+  std::optional<format::ChunkChecker> checker;
+};
+
+// Everything a batch is read from. A local dataset's shards are all opened at construction
+// and never change, so the prefetch thread and read() use them concurrently without locks.
+// A remote dataset's shards are opened when a batch first needs them, through the node cache,
+// and closed (unpinned) least recently used first once more than open_budget() bytes are open;
+// a shard a batch is reading stays open until the batch is done.
 class Source {
  public:
   Source(ResolvedDataset dataset, const ReaderOptions& options)
-      : dataset_(std::move(dataset)), manifest_(read_manifest(dataset_.dir)), options_(options) {
-    const fs::path& dir = dataset_.dir;
+      : dataset_(std::move(dataset)), options_(options) {
+    const std::string location = dataset_.dir.string();
     LOOM_CHECK(options.batch_size >= 1, InvalidArgument, "batch_size must be >= 1, got ",
                options.batch_size);
-    check_tokenizer_files(dir, manifest_);
+    if (is_remote(location)) {
+      cache_ = std::make_unique<NodeCache>(options.cache, options.remote);
+      const std::string url = join_url(location, format::kManifestFile);
+      manifest_ = format::parse_manifest_text(cache_->client().get(url), url);
+      for (const FileInfo& f : manifest_.tokenizer_files) {
+        tokenizer_pins_.push_back(cache_->acquire(remote_file(f.file, f.bytes, f.xxhash64)));
+      }
+      check_tokenizer_files(cache_->version_dir(manifest_.version), manifest_);
+    } else {
+      manifest_ = read_manifest(dataset_.dir);
+      check_tokenizer_files(dataset_.dir, manifest_);
+    }
+    const fs::path& dir = dataset_.dir;
     uint64_t begin = 0, doc_begin = 0;
     for (const ShardInfo& info : manifest_.shards) {
-      if (options.verify_hashes) check_hash(dir, info);
       begins_.push_back(begin);
       begin += info.items;
       if (is_tokens()) {
         doc_begins_.push_back(doc_begin);
         doc_begin += info.documents;
-        tokens_.emplace_back(dir, info, format::token_bytes_for(manifest_.vocab_size));
-      } else {
-        records_.emplace_back(dir, info);
       }
     }
-    for (size_t s = 0; s < tokens_.size() && options.verify_chunks; ++s) {
-      const util::MappedFile& file = tokens_[s].file();
-      checkers_.emplace_back(file.data(), file.size(), manifest_.chunk_bytes,
-                             manifest_.shards[s].chunk_hashes, file.path());
+    open_.resize(manifest_.shards.size());
+    last_use_.resize(manifest_.shards.size());
+    if (!cache_) {
+      for (size_t s = 0; s < manifest_.shards.size(); ++s) {
+        if (options.verify_hashes) check_hash(dir, manifest_.shards[s]);
+        open_[s] = open_shard(dir, s, NodeCache::Pin());
+      }
+      settled_.store(true, std::memory_order_release);
     }
     if (is_tokens()) {
       LOOM_CHECK(options.seq_len >= 1, InvalidArgument,
-                 "seq_len must be >= 1 for a token dataset (", dir.string(), ")");
+                 "seq_len must be >= 1 for a token dataset (", location, ")");
       if (options.sampling == TokenSampling::kPacked) {
-        LOOM_CHECK(begin > static_cast<uint64_t>(options.seq_len), InvalidArgument, dir.string(),
+        LOOM_CHECK(begin > static_cast<uint64_t>(options.seq_len), InvalidArgument, location,
                    " holds ", begin, " tokens, fewer than seq_len + 1 = ", options.seq_len + 1);
         num_samples_ = (begin - 1) / static_cast<uint64_t>(options.seq_len);
       } else {
@@ -85,7 +112,55 @@ class Source {
     } else {
       num_samples_ = begin;
     }
-    LOOM_CHECK(num_samples_ >= 1, InvalidArgument, dir.string(), " holds no samples");
+    LOOM_CHECK(num_samples_ >= 1, InvalidArgument, location, " holds no samples");
+  }
+
+  bool remote() const { return cache_ != nullptr; }
+  NodeCache* cache() const { return cache_.get(); }
+
+  // Bytes of remote shards kept open at most (beyond the shards of the batch being read).
+  uint64_t open_budget() const {
+    if (options_.open_bytes > 0) return options_.open_bytes;
+    const uint64_t limit = cache_ ? cache_->options().limit_bytes : 0;
+    return limit == 0 ? ~uint64_t{0} : limit / 4;
+  }
+
+  // The shards the samples `indices` are read from, sorted, without repeats.
+  std::vector<size_t> shards_of(const std::vector<uint64_t>& indices) const {
+    std::vector<size_t> out;
+    for (uint64_t i : indices) {
+      if (!is_tokens()) {
+        out.push_back(shard_of(begins_, i));
+      } else if (options_.sampling == TokenSampling::kDocument) {
+        out.push_back(shard_of(doc_begins_, i));
+      } else {
+        const uint64_t first = i * static_cast<uint64_t>(options_.seq_len);
+        const size_t a = shard_of(begins_, first);
+        const size_t b = shard_of(begins_, first + static_cast<uint64_t>(options_.seq_len));
+        for (size_t s = a; s <= b; ++s) out.push_back(s);
+      }
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  }
+
+  // Whether every shard is open and stays so: a local dataset, or a remote one whose shards
+  // have all been opened with no byte budget to close any. open_ is then constant: reads use
+  // it without the mutex, and nothing is left for a lookahead to fetch.
+  bool settled() const { return settled_.load(std::memory_order_acquire); }
+
+  // Puts shard `s` of a remote dataset into the node cache without opening it (lookahead).
+  // Returns the bytes it had to download (0 when it was cached or open already).
+  uint64_t prefetch(size_t s) const {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (open_[s]) return 0;
+    }
+    const ShardInfo& info = manifest_.shards[s];
+    bool downloaded = false;
+    cache_->acquire(remote_file(info.file, info.bytes, info.xxhash64), &downloaded);
+    return downloaded ? info.bytes : 0;
   }
 
   const ResolvedDataset& dataset() const { return dataset_; }
@@ -93,7 +168,10 @@ class Source {
   uint64_t num_samples() const { return num_samples_; }
   uint64_t chunks_verified() const {
     uint64_t n = 0;
-    for (const format::ChunkChecker& c : checkers_) n += c.chunks_verified();
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& shard : open_) {
+      if (shard && shard->checker) n += shard->checker->chunks_verified();
+    }
     return n;
   }
 
@@ -101,15 +179,104 @@ class Source {
     Batch batch;
     batch.indices = indices;
     batch.num_real = static_cast<int64_t>(indices.size());
+    Held held(*this);
+    if (!settled()) {
+      for (size_t s : shards_of(indices)) held.hold(s);
+    }
     if (is_tokens()) {
-      read_tokens(indices, batch);
+      read_tokens(indices, held, batch);
     } else {
-      read_records(indices, batch);
+      read_records(indices, held, batch);
     }
     return batch;
   }
 
  private:
+  // The shards one batch reads, kept open while it reads them.
+  class Held {
+   public:
+    explicit Held(const Source& source) : source_(source) {}
+    void hold(size_t s) { held_.emplace_back(s, source_.open(s)); }
+    const OpenShard& operator[](size_t s) const {
+      if (source_.settled()) return *source_.open_[s];  // constant: no lock, no copy
+      for (const auto& [i, shard] : held_) {
+        if (i == s) return *shard;
+      }
+      throw std::logic_error("data::Reader: a shard the batch did not hold was read");
+    }
+
+   private:
+    const Source& source_;
+    std::vector<std::pair<size_t, std::shared_ptr<const OpenShard>>> held_;
+  };
+
+  RemoteFile remote_file(const std::string& name, uint64_t bytes, uint64_t hash) const {
+    return {join_url(dataset_.dir.string(), name), manifest_.version, name, bytes, hash};
+  }
+
+  std::shared_ptr<const OpenShard> open_shard(const fs::path& dir, size_t s,
+                                              NodeCache::Pin pin) const {
+    const ShardInfo& info = manifest_.shards[s];
+    auto shard = std::make_shared<OpenShard>();
+    shard->pin = std::move(pin);
+    if (is_tokens()) {
+      shard->tokens.emplace(dir, info, format::token_bytes_for(manifest_.vocab_size));
+      // A cached remote shard was hashed whole before the cache handed it out.
+      if (options_.verify_chunks && !remote()) {
+        const util::MappedFile& file = shard->tokens->file();
+        shard->checker.emplace(file.data(), file.size(), manifest_.chunk_bytes, info.chunk_hashes,
+                               file.path());
+      }
+    } else {
+      shard->records.emplace(dir, info);
+    }
+    return shard;
+  }
+
+  // Shard `s`, opened (and for a remote dataset fetched into the node cache) if it is not.
+  std::shared_ptr<const OpenShard> open(size_t s) const {
+    if (settled()) return open_[s];
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (open_[s]) {
+        last_use_[s] = ++clock_;
+        return open_[s];
+      }
+    }
+    const ShardInfo& info = manifest_.shards[s];
+    NodeCache::Pin pin = cache_->acquire(remote_file(info.file, info.bytes, info.xxhash64));
+    std::shared_ptr<const OpenShard> shard =
+        open_shard(cache_->version_dir(manifest_.version), s, std::move(pin));
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!open_[s]) {
+      open_[s] = std::move(shard);
+      open_bytes_ += info.bytes;
+      if (++opened_ == open_.size() && open_budget() == ~uint64_t{0}) {
+        settled_.store(true, std::memory_order_release);
+      }
+    }
+    last_use_[s] = ++clock_;
+    close_unused(s);
+    return open_[s];
+  }
+
+  // Closes the least recently used open shards that no batch is reading until the open bytes
+  // fit the budget; never `keep`. Called with mutex_ held.
+  void close_unused(size_t keep) const {
+    const uint64_t budget = open_budget();
+    while (open_bytes_ > budget) {
+      size_t victim = open_.size();
+      for (size_t s = 0; s < open_.size(); ++s) {
+        if (s == keep || !open_[s] || open_[s].use_count() > 1) continue;
+        if (victim == open_.size() || last_use_[s] < last_use_[victim]) victim = s;
+      }
+      if (victim == open_.size()) return;
+      open_[victim].reset();
+      --opened_;
+      open_bytes_ -= manifest_.shards[victim].bytes;
+    }
+  }
+
   bool is_tokens() const { return manifest_.kind == DatasetKind::kTokens; }
 
   static void check_hash(const fs::path& dir, const ShardInfo& info) {
@@ -121,16 +288,17 @@ class Source {
   }
 
   // Copies `count` tokens of the global stream from `offset` into out, across shards.
-  void copy_tokens(uint64_t offset, size_t count, int64_t* out) const {
+  void copy_tokens(uint64_t offset, size_t count, const Held& held, int64_t* out) const {
     while (count > 0) {
       const size_t s = shard_of(begins_, offset);
-      const format::TokenShard& shard = tokens_[s];
+      const OpenShard& open = held[s];
+      const format::TokenShard& shard = *open.tokens;
       const uint64_t local = offset - begins_[s];
       const size_t n = static_cast<size_t>(std::min<uint64_t>(count, shard.num_tokens() - local));
       const uint8_t* src = shard.tokens() + local * shard.token_bytes();
-      if (!checkers_.empty()) {
-        checkers_[s].check(sizeof(format::TokenHeader) + local * shard.token_bytes(),
-                           n * shard.token_bytes());
+      if (open.checker) {
+        open.checker->check(sizeof(format::TokenHeader) + local * shard.token_bytes(),
+                            n * shard.token_bytes());
       }
       if (shard.token_bytes() == 2) {
         widen<uint16_t>(src, n, out);
@@ -143,14 +311,15 @@ class Source {
     }
   }
 
-  void read_tokens(const std::vector<uint64_t>& indices, Batch& batch) const {
+  void read_tokens(const std::vector<uint64_t>& indices, const Held& held, Batch& batch) const {
     const int64_t rows = static_cast<int64_t>(indices.size());
     const int64_t width = options_.seq_len + 1;
     at::Tensor tokens = at::empty({rows, width}, at::kLong);
     int64_t* out = tokens.data_ptr<int64_t>();
     if (options_.sampling == TokenSampling::kPacked) {
       for (int64_t r = 0; r < rows; ++r) {
-        copy_tokens(indices[r] * static_cast<uint64_t>(options_.seq_len), width, out + r * width);
+        copy_tokens(indices[r] * static_cast<uint64_t>(options_.seq_len), width, held,
+                    out + r * width);
       }
     } else {
       at::Tensor mask = at::zeros({rows, width}, at::kBool);
@@ -158,10 +327,11 @@ class Source {
       for (int64_t r = 0; r < rows; ++r) {
         const size_t s = shard_of(doc_begins_, indices[r]);
         const uint64_t d = indices[r] - doc_begins_[s];
-        if (!checkers_.empty()) checkers_[s].check(tokens_[s].index_offset() + 8 * d, 16);
-        const uint64_t begin = tokens_[s].doc_offset(d), end = tokens_[s].doc_offset(d + 1);
+        const OpenShard& open = held[s];
+        if (open.checker) open.checker->check(open.tokens->index_offset() + 8 * d, 16);
+        const uint64_t begin = open.tokens->doc_offset(d), end = open.tokens->doc_offset(d + 1);
         const int64_t n = std::min<int64_t>(width, static_cast<int64_t>(end - begin));
-        copy_tokens(begins_[s] + begin, static_cast<size_t>(n), out + r * width);
+        copy_tokens(begins_[s] + begin, static_cast<size_t>(n), held, out + r * width);
         std::fill(out + r * width + n, out + (r + 1) * width, options_.pad_id);
         std::fill(m + r * width, m + r * width + n, true);
       }
@@ -170,7 +340,7 @@ class Source {
     batch.tensors["tokens"] = tokens;
   }
 
-  void read_records(const std::vector<uint64_t>& indices, Batch& batch) const {
+  void read_records(const std::vector<uint64_t>& indices, const Held& held, Batch& batch) const {
     const auto& schema = manifest_.schema;
     const int64_t rows = static_cast<int64_t>(indices.size());
     const size_t width = schema.size();
@@ -179,10 +349,11 @@ class Source {
     for (size_t r = 0; r < indices.size(); ++r) {
       const size_t s = shard_of(begins_, indices[r]);
       const uint64_t local = indices[r] - begins_[s];
-      auto [p, n] = records_[s].payload(local);
+      const format::RecordShard& shard = *held[s].records;
+      auto [p, n] = shard.payload(local);
       const std::string bad = format::decode_record(schema, p, n, views(r));
       LOOM_CHECK(bad.empty(), CorruptData, "record ", local, " of shard ",
-                 records_[s].file().path().string(), " (byte offset ", records_[s].offset(local),
+                 shard.file().path().string(), " (byte offset ", shard.offset(local),
                  ") is malformed: ", bad, "; run `loom data verify`");
     }
     for (size_t f = 0; f < schema.size(); ++f) {
@@ -235,12 +406,19 @@ class Source {
   ReaderOptions options_;
   std::vector<uint64_t> begins_;      // first global item (token or record) of each shard
   std::vector<uint64_t> doc_begins_;  // token datasets: first global document of each shard
-  std::vector<format::TokenShard> tokens_;
-  std::vector<format::RecordShard> records_;
-  // Token shards' chunk checks (empty when options_.verify_chunks is off). Record shards need
-  // none: every record carries its own checksum.
-  std::vector<format::ChunkChecker> checkers_;
   uint64_t num_samples_ = 0;
+  // Remote datasets: the node cache, and the tokenizer files pinned for the reader's life.
+  std::unique_ptr<NodeCache> cache_;
+  std::vector<NodeCache::Pin> tokenizer_pins_;
+  // Each shard when open. Local datasets: all, constant after construction. Remote: guarded
+  // by mutex_, with each open shard's last use (a tick of clock_) and the bytes open.
+  mutable std::mutex mutex_;
+  mutable std::vector<std::shared_ptr<const OpenShard>> open_;
+  mutable std::vector<uint64_t> last_use_;
+  mutable uint64_t clock_ = 0;
+  mutable uint64_t open_bytes_ = 0;
+  mutable size_t opened_ = 0;  // shards open
+  mutable std::atomic<bool> settled_{false};
 };
 
 }  // namespace
@@ -283,12 +461,23 @@ struct Reader::Impl {
   bool stop = false;
   std::thread prefetcher;
 
+  // Remote datasets: the lookahead thread fetches the shards of the next steps into the node
+  // cache. It walks its own sampler from the consumed state; steps_taken counts next() calls
+  // since it started (guarded by mutex, like lookahead_stop).
+  std::thread lookahead;
+  std::condition_variable lookahead_wake;
+  bool lookahead_stop = false;
+  uint64_t steps_taken = 0;
+  std::atomic<uint64_t> lookahead_bytes{0};
+
   Impl(const fs::path& dataset, ReaderOptions opts)
       : options(opts),
         source(resolve_dataset(dataset.string(), opts.registry), opts),
         sampler(sampler_options(opts, source)) {
     LOOM_CHECK(options.prefetch >= 0, InvalidArgument, "prefetch must be >= 0, got ",
                options.prefetch);
+    LOOM_CHECK(options.lookahead_steps >= 0, InvalidArgument, "lookahead_steps must be >= 0, got ",
+               options.lookahead_steps);
     consumed = sampler.state();
   }
 
@@ -325,13 +514,83 @@ struct Reader::Impl {
     prefetcher = std::thread([this] { prefetch_loop(); });
   }
 
+  void start_lookahead() {
+    if (!source.remote() || source.settled() || options.lookahead_steps == 0 ||
+        lookahead.joinable()) {
+      return;
+    }
+    GlobalSampler ahead(sampler_options(options, source));
+    ahead.restore(consumed);
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      lookahead_stop = false;
+      steps_taken = 0;
+    }
+    lookahead = std::thread([this, ahead]() mutable { lookahead_loop(ahead); });
+  }
+
+  // Fetches, in the order they will be read, the shards of the steps up to lookahead_steps
+  // ahead of the consumer, while what it fetched for steps not yet taken fits half the limit.
+  void lookahead_loop(GlobalSampler ahead) {
+    const uint64_t limit = source.cache()->options().limit_bytes;
+    const uint64_t budget = limit == 0 ? ~uint64_t{0} : limit / 2;
+    std::deque<uint64_t> window;  // bytes fetched for each step in [steps_taken, step)
+    uint64_t window_bytes = 0;
+    for (uint64_t step = 0;; ++step) {
+      if (source.settled()) return;  // nothing is left to fetch
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        lookahead_wake.wait(lock, [&] {
+          while (!window.empty() && window.size() > step - std::min(step, steps_taken)) {
+            window_bytes -= window.front();
+            window.pop_front();
+          }
+          return lookahead_stop ||
+                 (step < steps_taken + static_cast<uint64_t>(options.lookahead_steps) &&
+                  window_bytes <= budget);
+        });
+        if (lookahead_stop) return;
+      }
+      uint64_t fetched = 0;
+      try {
+        for (size_t s : source.shards_of(ahead.next_batch().indices)) {
+          fetched += source.prefetch(s);
+          std::lock_guard<std::mutex> lock(mutex);
+          if (lookahead_stop) return;
+        }
+      } catch (const std::exception&) {
+        return;  // the batch that needs the shard raises the error when it reads it
+      }
+      lookahead_bytes.fetch_add(fetched, std::memory_order_relaxed);
+      std::lock_guard<std::mutex> lock(mutex);
+      window.push_back(fetched);
+      window_bytes += fetched;
+    }
+  }
+
+  // The consumer took a step: the lookahead may go further. It is woken every quarter of its
+  // horizon, not every step, so that a fast consumer does not pay a thread switch per batch.
+  void took_step() {
+    if (!lookahead.joinable()) return;
+    const uint64_t every = std::max(1, options.lookahead_steps / 4);
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      wake = ++steps_taken % every == 0;
+    }
+    if (wake) lookahead_wake.notify_one();
+  }
+
   void halt() {
     {
       std::lock_guard<std::mutex> lock(mutex);
       stop = true;
+      lookahead_stop = true;
     }
     not_full.notify_all();
+    lookahead_wake.notify_all();
     if (prefetcher.joinable()) prefetcher.join();
+    if (lookahead.joinable()) lookahead.join();
     queue.clear();
     queued.store(0);
   }
@@ -391,6 +650,7 @@ Reader::Reader(const fs::path& dir, ReaderOptions options)
 Reader::~Reader() { impl_->halt(); }
 
 Batch Reader::next() {
+  impl_->start_lookahead();
   Impl::Item item = impl_->take();
   if (item.error) {
     // The failed batch is not consumed: halt so a later next() retries it from `consumed`.
@@ -399,6 +659,7 @@ Batch Reader::next() {
     std::rethrow_exception(item.error);
   }
   impl_->consumed = item.state;
+  impl_->took_step();
   return std::move(item.batch);
 }
 
@@ -424,6 +685,8 @@ void Reader::restore(const SamplerState& saved, RestoreOptions options) {
 const Manifest& Reader::manifest() const { return impl_->source.manifest(); }
 const ResolvedDataset& Reader::dataset() const { return impl_->source.dataset(); }
 uint64_t Reader::chunks_verified() const { return impl_->source.chunks_verified(); }
+const NodeCache* Reader::cache() const { return impl_->source.cache(); }
+uint64_t Reader::lookahead_bytes() const { return impl_->lookahead_bytes.load(); }
 const ReaderOptions& Reader::options() const { return impl_->options; }
 uint64_t Reader::num_samples() const { return impl_->source.num_samples(); }
 uint64_t Reader::steps_per_epoch() const { return impl_->sampler.steps_per_epoch(); }

@@ -62,6 +62,10 @@ struct MixtureOptions {
   int world_size = 1;         // ranks reading together
   bool verify_chunks = true;  // as ReaderOptions::verify_chunks
   std::filesystem::path registry;  // where registry names resolve (ReaderOptions::registry)
+  // Sources named by URL: as ReaderOptions::remote and ::cache. Their shards are fetched when a
+  // batch first needs them (a Mixture has no lookahead).
+  RemoteOptions remote;
+  CacheOptions cache;
 };
 
 // Where a mixture stands. Identical on every rank after every step.

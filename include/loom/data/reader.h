@@ -15,9 +15,11 @@
 // samples. Record checksums are checked on every read; token shards are checked chunk by
 // chunk (1 MiB by default), each chunk the first time a read touches it.
 //
-// A dataset is named by its directory or by a registry name (`kjv@3`, `kjv@latest`,
-// `kjv@stable`, `kjv`; loom/data/registry.h): a name without '/' that is not an existing path
-// resolves through the registry.
+// A dataset is named by its directory; by a registry name (`kjv@3`, `kjv@latest`,
+// `kjv@stable`, `kjv`; loom/data/registry.h), which is a name without '/' that is not an
+// existing path; or by the URL of a remote directory (`https://host/kjv`,
+// `s3://bucket/kjv`): its shards are fetched through the node cache (loom/data/cache.h) when
+// first needed and ahead of need by a lookahead thread.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "loom/data/batch.h"
+#include "loom/data/cache.h"
 #include "loom/data/dataset.h"
 #include "loom/data/registry.h"
 #include "loom/data/sampler.h"
@@ -56,6 +59,19 @@ struct ReaderOptions {
   bool verify_chunks = true;
   // Where registry names resolve; empty: $LOOM_DATA_REGISTRY (loom/data/registry.h).
   std::filesystem::path registry;
+
+  // Remote datasets (http://, https://, s3://; loom/data/remote.h and cache.h).
+  RemoteOptions remote;  // retries, timeouts, S3 endpoint and credentials
+  CacheOptions cache;    // the node cache's directory and byte limit
+  // A background thread downloads the shards of the next lookahead_steps steps into the node
+  // cache before they are needed, in the order they will be read, while what it fetched for
+  // steps not yet taken fits half the cache limit. 0: shards are fetched when a batch needs
+  // them.
+  int lookahead_steps = 64;
+  // Bytes of shards this reader keeps open (pinned in the cache, so not evictable) besides
+  // those of the batch being read, least recently used closed first. 0: every shard without a
+  // cache limit, a quarter of the limit with one.
+  uint64_t open_bytes = 0;
 };
 
 // Opens a dataset and yields this rank's batches. Every rank opens the same dataset with the
@@ -98,8 +114,13 @@ class Reader final : public BatchSource {
   // The directory read, and the registry version it was resolved from ("" for a path).
   const ResolvedDataset& dataset() const;
   const ReaderOptions& options() const;
-  // Chunks of token shards hashed so far (each once; 0 for a format 1 or record dataset).
+  // Chunks of token shards hashed so far (each once; 0 for a format 1 or record dataset, and
+  // for a remote dataset, whose shards the cache hashes whole before they are read).
   uint64_t chunks_verified() const;
+  // A remote dataset's node cache (its stats say what was downloaded); null for a local one.
+  const NodeCache* cache() const;
+  // Bytes the lookahead thread downloaded ahead of need (remote datasets).
+  uint64_t lookahead_bytes() const;
   uint64_t num_samples() const;      // samples per epoch (before the epoch-end policy)
   uint64_t steps_per_epoch() const;  // from the start of an epoch
   // Reads the samples `indices` directly (no prefetch, no state change): for tools and tests.

@@ -1,0 +1,99 @@
+// Real servers on loopback for the remote-dataset tests: Debian's nginx (static files with
+// range requests, optionally throttled, killable mid-download), s3rver (an S3-compatible
+// server from npm, tools/s3rver/) and an in-process HTTP server that fails on purpose.
+#pragma once
+
+#include <atomic>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "harness/harness.h"
+#include "util/subprocess.h"
+
+namespace loom::testing {
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+int free_port();
+
+struct NginxOptions {
+  std::string limit_rate;  // per request, nginx syntax ("2m": 2 MiB/s); "": unthrottled
+  // Requests served at once at most (nginx limit_conn); more are answered 503. With
+  // limit_rate, a fixed bandwidth for the whole server. 0: no limit.
+  int max_connections = 0;
+};
+
+// nginx serving `root` at url(). Each request is logged; requests() parses the log.
+class Nginx {
+ public:
+  struct Request {
+    std::string uri;
+    int status = 0;
+    std::string range;   // the Range header, "" when none
+    uint64_t bytes = 0;  // body bytes sent
+  };
+
+  explicit Nginx(std::filesystem::path root, NginxOptions options = {});
+  ~Nginx();
+  std::string url() const;
+  void start();  // (re)starts on the same port and waits until it accepts connections
+  void kill();   // SIGKILL, mid-request or not
+  std::vector<Request> requests() const;
+  // Requests for `uri` that were answered 200 or 206.
+  int served(const std::string& uri) const;
+
+ private:
+  std::filesystem::path root_;
+  NginxOptions options_;
+  TempDir dir_{"loom-nginx"};
+  int port_;
+  std::unique_ptr<util::Subprocess> process_;
+};
+
+// s3rver with one bucket, at endpoint(); credentials S3RVER / S3RVER (s3rver's own).
+class S3rver {
+ public:
+  explicit S3rver(std::string bucket);
+  ~S3rver();
+  std::string endpoint() const;
+  // Uploads every file of `dir` to s3://bucket/prefix/<name> with curl (SigV4).
+  void upload(const std::filesystem::path& dir, const std::string& prefix);
+
+ private:
+  std::string bucket_;
+  TempDir dir_{"loom-s3rver"};
+  int port_;
+  std::unique_ptr<util::Subprocess> process_;
+};
+
+// An HTTP server in this process serving the files of `root`, with ranges, where a fault
+// function decides what each request gets. Thread-safe; counts requests per path.
+class FaultyServer {
+ public:
+  enum class Fault {
+    kNone,      // the file (or the requested range) as it is
+    kStatus,    // an error status (fault.status)
+    kTruncate,  // the full Content-Length, but the connection closes after half the body
+    kFlipByte,  // the body with one byte changed
+  };
+  struct Answer {
+    Fault fault = Fault::kNone;
+    int status = 500;
+  };
+  // Called with the path and how many requests for it came before this one.
+  using Decide = std::function<Answer(const std::string& path, int previous)>;
+
+  FaultyServer(std::filesystem::path root, Decide decide);
+  ~FaultyServer();
+  std::string url() const;
+  int requests(const std::string& path) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace loom::testing
