@@ -84,7 +84,10 @@ struct ReaderOptions {
 // file; bad options are InvalidArgument; a registry name that does not resolve is the
 // registry's error (resolve_dataset). A record that fails its checksum, or a token chunk that
 // fails its hash, is CorruptData from the next() that would return it, naming the shard and
-// the record or chunk; that batch is not consumed.
+// the record or chunk; that batch is not consumed. A remote dataset's manifest that cannot be
+// fetched is RemoteError (an IoError naming the URL, the HTTP status and the attempts) from the
+// constructor; a shard that cannot be, RemoteError or CorruptData from the next() that needs
+// it, and that batch is not consumed either.
 class Reader final : public BatchSource {
  public:
   // `dataset`: a directory, or a registry name resolved through options.registry.

@@ -141,7 +141,7 @@ TEST(RemoteDataset, ADownloadCutByKillingTheServerResumesWithARangeRequest) {
 TEST(RemoteDataset, ServerErrorsAndTruncatedBodiesAreRetriedAndNeverRead) {
   TempDir dir;
   const Manifest m = build_tokens(dir / "ds", 120000, 30000);
-  // Per shard: a 500, a 503, a body cut in half, a flipped byte, then the file.
+  // Per shard: a 500, a 429, a body cut in half, a flipped byte, then the file.
   FaultyServer server(dir.path(), [](const std::string& path, int previous) {
     using F = FaultyServer::Fault;
     if (path == "/ds/manifest.json")
@@ -150,7 +150,7 @@ TEST(RemoteDataset, ServerErrorsAndTruncatedBodiesAreRetriedAndNeverRead) {
       case 0:
         return FaultyServer::Answer{F::kStatus, 500};
       case 1:
-        return FaultyServer::Answer{F::kStatus, 503};
+        return FaultyServer::Answer{F::kStatus, 429};  // too many requests: throttled
       case 2:
         return FaultyServer::Answer{F::kTruncate};
       case 3:
@@ -165,7 +165,7 @@ TEST(RemoteDataset, ServerErrorsAndTruncatedBodiesAreRetriedAndNeverRead) {
   expect_same_batches(remote, local, remote.steps_per_epoch());
   EXPECT_EQ(remote.cache()->stats().downloads, m.shards.size());
   for (size_t s = 0; s < m.shards.size(); ++s) {
-    // 500, 503, the cut body, its resumption (which brings the flipped byte, so the copy fails
+    // 500, 429, the cut body, its resumption (which brings the flipped byte, so the copy fails
     // its hash and is dropped), the whole file again.
     EXPECT_EQ(server.requests(shard_uri(m, s)), 5) << m.shards[s].file;
   }
