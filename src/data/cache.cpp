@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <spdlog/spdlog.h>
+#include "data/shard_format.h"
 #include "util/fd.h"
 #include "util/files.h"
 #include "util/hash.h"
@@ -316,6 +317,16 @@ const RemoteClient& NodeCache::client() const { return impl_->client; }
 CacheStats NodeCache::stats() const {
   return {impl_->hits.load(),      impl_->downloads.load(), impl_->bytes_downloaded.load(),
           impl_->evictions.load(), impl_->refetched.load(), impl_->skipped_pinned.load()};
+}
+
+VerifyReport verify_remote_dataset(const std::string& url, NodeCache& cache,
+                                   const ProgressFn& progress) {
+  const Manifest m = read_manifest(url, cache.client().options());
+  auto fetch = [&](const std::string& file, uint64_t bytes, uint64_t hash) {
+    return std::make_shared<NodeCache::Pin>(
+        cache.acquire({join_url(url, file), m.version, file, bytes, hash}));
+  };
+  return format::verify_files(cache.version_dir(m.version), m, url, fetch, progress);
 }
 
 }  // namespace loom::data

@@ -7,6 +7,7 @@
 #include "data/chunk_check.h"
 #include "data/manifest.h"
 #include "data/shard_format.h"
+#include "loom/data/remote.h"
 #include "loom/error.h"
 #include "util/fd.h"
 #include "util/files.h"
@@ -371,8 +372,10 @@ std::string hash_shard(const util::MappedFile& file, const ShardInfo& info, uint
 
 }  // namespace
 
-VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
-  const Manifest m = read_manifest(dir);
+namespace format {
+
+VerifyReport verify_files(const fs::path& dir, const Manifest& m, const std::string& where,
+                          const FetchFn& fetch, const ProgressFn& progress) {
   VerifyReport report;
   const uint64_t total = m.total_bytes();
   auto fail = [&](std::string file, std::string problem) {
@@ -381,19 +384,40 @@ VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
     report.problem = std::move(problem);
     return report;
   };
-  for (const FileInfo& f : m.tokenizer_files) {
+  // The file's local copy held while it is checked (a remote dataset's cache pin), or the
+  // failure to get one.
+  std::shared_ptr<void> held;
+  auto get = [&](const std::string& file, uint64_t bytes, uint64_t hash) -> std::string {
+    if (!fetch) return "";
     try {
-      format::check_file(dir, f, "tokenizer file");
-    } catch (const Error& e) {
-      return fail((dir / f.file).string(), e.what());
+      held = fetch(file, bytes, hash);
+      return "";
+    } catch (const CorruptData& e) {
+      return e.what();
+    } catch (const IoError& e) {
+      return e.what();
     }
+  };
+  for (const FileInfo& f : m.tokenizer_files) {
+    std::string bad = get(f.file, f.bytes, f.xxhash64);
+    if (bad.empty()) {
+      try {
+        format::check_file(dir, f, "tokenizer file");
+      } catch (const Error& e) {
+        bad = e.what();
+      }
+    }
+    if (!bad.empty()) return fail(join_url(where, f.file), bad);
   }
   auto advance = [&](uint64_t n) {
     report.bytes_checked += n;
     if (progress) progress(report.bytes_checked, total);
   };
   for (const ShardInfo& info : m.shards) {
-    const std::string path = (dir / info.file).string();
+    const std::string path = join_url(where, info.file);
+    if (std::string bad = get(info.file, info.bytes, info.xxhash64); !bad.empty()) {
+      return fail(path, bad);
+    }
     try {
       std::unique_ptr<format::TokenShard> tokens;
       std::unique_ptr<format::RecordShard> records;
@@ -429,8 +453,15 @@ VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
     } catch (const IoError& e) {
       return fail(path, e.what());
     }
+    held.reset();
   }
   return report;
+}
+
+}  // namespace format
+
+VerifyReport verify_dataset(const fs::path& dir, const ProgressFn& progress) {
+  return format::verify_files(dir, read_manifest(dir), dir.string(), {}, progress);
 }
 
 }  // namespace loom::data

@@ -472,7 +472,7 @@ struct Reader::Impl {
 
   Impl(const fs::path& dataset, ReaderOptions opts)
       : options(opts),
-        source(resolve_dataset(dataset.string(), opts.registry), opts),
+        source(resolve_dataset(dataset.string(), opts.registry, opts.remote), opts),
         sampler(sampler_options(opts, source)) {
     LOOM_CHECK(options.prefetch >= 0, InvalidArgument, "prefetch must be >= 0, got ",
                options.prefetch);

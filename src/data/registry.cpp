@@ -116,6 +116,15 @@ class FileLock {
   util::UniqueFd fd_;
 };
 
+// A local directory made absolute and normal; a URL without its trailing slashes, so that one
+// location is recorded one way.
+std::string normal_location(const std::string& location) {
+  if (!is_remote(location)) return fs::absolute(location).lexically_normal().string();
+  std::string url = location;
+  while (url.size() > 1 && url.back() == '/') url.pop_back();
+  return url;
+}
+
 // Creates `target` holding `contents` unless it exists: false when it does. The file appears
 // complete or not at all (written under a temporary name, fsynced, then linked).
 bool create_exclusive(const fs::path& target, const std::string& contents) {
@@ -152,13 +161,31 @@ SourceFile describe_source(const fs::path& path) {
   return {absolute.string(), file.size(), util::xxh64(file.data(), file.size())};
 }
 
-Lineage read_build_lineage(const fs::path& dir) {
-  const fs::path file = dir / kBuildLineageFile;
-  if (!fs::exists(file)) return {};
-  const json j = parse_json_file(file);
-  LOOM_CHECK(j.is_object() && j.value("format", "") == kLineageFormat, CorruptData, file.string(),
+Lineage read_build_lineage(const std::string& location, const RemoteOptions& remote) {
+  std::string name, text;
+  if (is_remote(location)) {
+    name = join_url(location, kBuildLineageFile);
+    try {
+      text = RemoteClient(remote).get(name);
+    } catch (const RemoteError& e) {
+      if (e.status() == 404) return {};  // built without lineage, or uploaded without it
+      throw;
+    }
+  } else {
+    const fs::path file = fs::path(location) / kBuildLineageFile;
+    if (!fs::exists(file)) return {};
+    name = file.string();
+    text = util::read_file(file);
+  }
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw CorruptData(detail::concat(name, " is not valid JSON: ", e.what()));
+  }
+  LOOM_CHECK(j.is_object() && j.value("format", "") == kLineageFormat, CorruptData, name,
              " is not a Loom build lineage file");
-  return parse_lineage(j, file.string());
+  return parse_lineage(j, name);
 }
 
 void write_build_lineage(const fs::path& dir, const Lineage& lineage) {
@@ -275,21 +302,22 @@ DatasetVersion DirectoryRegistry::get(const std::string& ref) const {
   return read_version(name, std::stoull(text));
 }
 
-DatasetVersion DirectoryRegistry::add(const std::string& name, const fs::path& dir,
+DatasetVersion DirectoryRegistry::add(const std::string& name, const std::string& location,
                                       const RegisterOptions& options) {
   check_name(name, "name");
-  const fs::path absolute = fs::absolute(dir).lexically_normal();
-  const Manifest m = read_manifest(absolute);
-  check_tokenizer_files(absolute, m);
+  const std::string where = normal_location(location);
+  const Manifest m = read_manifest(where, options.remote);
+  // A remote dataset's tokenizer files are checked by the readers that download them.
+  if (!is_remote(where)) check_tokenizer_files(where, m);
   DatasetVersion v;
   v.name = name;
   v.content_version = m.version;
-  v.dir = absolute;
+  v.dir = where;
   v.kind = m.kind;
   v.bytes = m.total_bytes();
   v.items = m.total_items();
   v.registered_at = utc_now();
-  v.lineage = read_build_lineage(absolute);
+  v.lineage = read_build_lineage(where, options.remote);
   if (!options.parent.empty()) v.lineage.parent = get(options.parent).ref();
 
   const fs::path base = root_ / name;
@@ -349,7 +377,8 @@ bool is_registry_name(const std::string& spec) {
   return !spec.empty() && spec.find('/') == std::string::npos && !fs::exists(spec, ec);
 }
 
-ResolvedDataset resolve_dataset(const std::string& spec, const fs::path& registry_root) {
+ResolvedDataset resolve_dataset(const std::string& spec, const fs::path& registry_root,
+                                const RemoteOptions& remote) {
   if (!is_registry_name(spec)) return {spec, "", ""};
   std::unique_ptr<Registry> registry;
   try {
@@ -361,17 +390,28 @@ ResolvedDataset resolve_dataset(const std::string& spec, const fs::path& registr
                                          e.what()));
   }
   const DatasetVersion v = registry->get(spec);
-  LOOM_CHECK(fs::is_directory(v.dir), IoError, "dataset ", v.ref(), " is registered at ",
-             v.dir.string(),
-             ", which no longer exists; restore it, or register its new place as "
-             "a new version");
-  const Manifest m = read_manifest(v.dir);
+  const std::string where = v.dir.string();
+  Manifest m;
+  if (is_remote(where)) {
+    try {
+      m = read_manifest(where, remote);
+    } catch (const RemoteError& e) {
+      throw RemoteError(
+          e.url(), e.status(), e.attempts(),
+          detail::concat("dataset ", v.ref(), " is registered at ", where, ": ", e.what()));
+    }
+  } else {
+    LOOM_CHECK(fs::is_directory(v.dir), IoError, "dataset ", v.ref(), " is registered at ", where,
+               ", which no longer exists; restore it, or register its new place as "
+               "a new version");
+    m = read_manifest(v.dir);
+  }
   LOOM_CHECK(m.version == v.content_version || m.previous_version == v.content_version, CorruptData,
              "dataset ", v.ref(), " was registered with content version ", v.content_version,
-             " but ", v.dir.string(), " now holds version ", m.version,
+             " but ", where, " now holds version ", m.version,
              ": its files changed since registration. Restore them, or register the new content "
              "as a new version (`loom data register ",
-             v.name, " ", v.dir.string(), "`)");
+             v.name, " ", where, "`)");
   return {v.dir, v.ref(), v.content_version};
 }
 

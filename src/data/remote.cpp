@@ -17,6 +17,8 @@
 #include <random>
 #include <thread>
 
+#include "data/manifest.h"
+#include "data/shard_format.h"
 #include "util/fd.h"
 
 namespace loom::data {
@@ -327,6 +329,12 @@ void RemoteClient::download(const std::string& url, const fs::path& path, uint64
     impl_->back_off(failures);
   }
   LOOM_CHECK_SYS(::fsync(fd.get()), "fsyncing ", path.string());
+}
+
+Manifest read_manifest(const std::string& location, const RemoteOptions& remote) {
+  if (!is_remote(location)) return read_manifest(fs::path(location));
+  const std::string url = join_url(location, format::kManifestFile);
+  return format::parse_manifest_text(RemoteClient(remote).get(url), url);
 }
 
 }  // namespace loom::data

@@ -4,6 +4,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -11,6 +14,20 @@
 #include "util/mapped_file.h"
 
 namespace loom::data::format {
+
+// Called by verify_files before it checks each file (tokenizer files, then shards, in the
+// manifest's order) with the file's name, size and xxHash64; returns what keeps the file at
+// dir/name while it is checked (a remote dataset's cache pin). Its CorruptData or IoError is
+// reported as that file's problem.
+using FetchFn = std::function<std::shared_ptr<void>(const std::string& file, uint64_t bytes,
+                                                    uint64_t xxhash64)>;
+
+// verify_dataset's checks over the files of `m` in `dir`, each first handed to `fetch` (if
+// set). Reports the first problem, naming the file as `where`/file (`where`: the dataset's
+// directory or URL).
+VerifyReport verify_files(const std::filesystem::path& dir, const Manifest& m,
+                          const std::string& where, const FetchFn& fetch,
+                          const ProgressFn& progress);
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "shards are little-endian on disk");
 

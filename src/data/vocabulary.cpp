@@ -1,7 +1,9 @@
 #include "loom/data/vocabulary.h"
 
 #include <fstream>
+#include <memory>
 
+#include "loom/data/cache.h"
 #include "loom/data/dataset.h"
 #include "loom/data/registry.h"
 #include "loom/error.h"
@@ -33,13 +35,28 @@ Vocabulary Vocabulary::load(const std::filesystem::path& file) {
 }
 
 Vocabulary Vocabulary::of_dataset(const std::filesystem::path& dataset) {
-  const std::filesystem::path dataset_dir = resolve_dataset(dataset.string()).dir;
-  const Manifest m = read_manifest(dataset_dir);
-  LOOM_CHECK(m.kind == DatasetKind::kTokens && !m.tokenizer.empty(), InvalidArgument,
-             dataset_dir.string(), " names no tokenizer vocabulary in its manifest");
-  check_tokenizer_files(dataset_dir, m);
-  Vocabulary v = load(dataset_dir / m.tokenizer);
-  LOOM_CHECK(v.size() == m.vocab_size, CorruptData, (dataset_dir / m.tokenizer).string(), " holds ",
+  const std::string location = resolve_dataset(dataset.string()).dir.string();
+  const Manifest m = read_manifest(location, RemoteOptions{});
+  LOOM_CHECK(m.kind == DatasetKind::kTokens && !m.tokenizer.empty(), InvalidArgument, location,
+             " names no tokenizer vocabulary in its manifest");
+  // A remote dataset's tokenizer files, hash-checked, in the node cache; pinned while read.
+  std::filesystem::path dir = location;
+  std::unique_ptr<NodeCache> cache;
+  std::vector<NodeCache::Pin> pins;
+  if (is_remote(location)) {
+    cache = std::make_unique<NodeCache>(CacheOptions{}, RemoteOptions{});
+    for (const FileInfo& f : m.tokenizer_files) {
+      pins.push_back(
+          cache->acquire({join_url(location, f.file), m.version, f.file, f.bytes, f.xxhash64}));
+    }
+    dir = cache->version_dir(m.version);
+    LOOM_CHECK(!pins.empty(), InvalidArgument, location, " is format ", m.format_version,
+               ", whose manifest does not list its tokenizer files, so they cannot be fetched; "
+               "run `loom data migrate` on the dataset's directory and upload it again");
+  }
+  check_tokenizer_files(dir, m);
+  Vocabulary v = load(dir / m.tokenizer);
+  LOOM_CHECK(v.size() == m.vocab_size, CorruptData, join_url(location, m.tokenizer), " holds ",
              v.size(), " pieces but the dataset's vocab_size is ", m.vocab_size);
   return v;
 }

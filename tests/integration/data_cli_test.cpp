@@ -9,10 +9,12 @@
 #include <set>
 
 #include "harness/harness.h"
+#include "harness/servers.h"
 #include "loom/data/reader.h"
 #include "loom/data/registry.h"
 #include "loom/data/vocabulary.h"
 #include "util/files.h"
+#include "util/hash.h"
 #include "util/subprocess.h"
 
 namespace loom::data {
@@ -315,6 +317,95 @@ TEST(DataCli, RegisterLsInfoTagDiffAndNamesInShow) {
                        "files: CHANGED: dataset episodes@1 was registered with content "
                        "version " +
                            va))
+      << r.output;
+}
+
+// The last line of a command's output (after any progress lines).
+std::string last_line(const std::string& output) {
+  const size_t end = output.empty() ? 0 : output.size() - 1;
+  const size_t begin = output.rfind('\n', end == 0 ? 0 : end - 1);
+  return begin == std::string::npos ? output : output.substr(begin + 1);
+}
+
+// A dataset served by nginx: registered by its URL, verified, shown and diffed like a
+// directory, every file through the node cache.
+TEST(DataCli, RemoteDatasetsAreRegisteredVerifiedAndShownByURL) {
+  TempDir dir;
+  const fs::path a = build_episodes(dir, "a", 5);
+  testing::Nginx nginx(dir.path());
+  const std::string url = nginx.url() + "/a";
+  const std::string registry = (dir / "registry").string();
+  const std::map<std::string, std::string> env = {{"LOOM_DATA_CACHE", (dir / "cache").string()},
+                                                  {"LOOM_DATA_REGISTRY", registry}};
+  const Manifest m = read_manifest(a);
+
+  ProgramResult r = loom_in({"data", "register", "episodes", url}, dir.path(), env);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output, "registered episodes@1: " + url + " (content version " + m.version +
+                          ", records, 5 items, " + std::to_string(m.total_bytes()) + " bytes)\n");
+  const DatasetVersion v = DirectoryRegistry(registry).get("episodes@1");
+  EXPECT_EQ(v.lineage.command, read_build_lineage(a).command);  // build.json came over HTTP
+
+  r = loom_in({"data", "info", "episodes"}, dir.path(), env);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  std::string lineage;
+  for (const SourceFile& f : v.lineage.sources) {
+    lineage += "  source: " + f.path + " (" + std::to_string(f.bytes) + " bytes, xxHash64 " +
+               util::hash_hex(f.xxhash64) + ")\n";
+  }
+  EXPECT_EQ(r.output, "episodes@1\ncontent version: " + m.version + "\nurl: " + url +
+                          "\nkind: records, 5 items, " + std::to_string(m.total_bytes()) +
+                          " bytes\nregistered: " + v.registered_at + "\nlineage:\n  command: " +
+                          v.lineage.command + "\n  tokenizer: (none)\n  parent: (none)\n" +
+                          lineage + "files: the URL holds the registered content\n");
+
+  for (const std::string& spec : {url, std::string("episodes@1")}) {
+    r = loom_in({"data", "verify", spec}, dir.path(), env);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(last_line(r.output), "ok: " + url + ": 1 shards, " + std::to_string(m.total_bytes()) +
+                                       " bytes, every shard hash and record checksum matches; "
+                                       "version " +
+                                       m.version + "\n");
+  }
+
+  // What `show` prints of the URL is what it prints of the directory, but for the name.
+  const std::vector<std::string> show = {"--step", "1", "--batch", "2", "--color", "never"};
+  auto shown = [&](const std::string& spec) {
+    std::vector<std::string> args = {"data", "show", spec};
+    args.insert(args.end(), show.begin(), show.end());
+    ProgramResult p = loom_in(args, dir.path(), env);
+    EXPECT_EQ(p.exit_code, 0) << p.output;
+    const std::string head = "dataset " + spec + " ";
+    EXPECT_EQ(p.output.substr(0, head.size()), head);
+    return p.output.substr(std::min(head.size(), p.output.size()));
+  };
+  const std::string local = shown(a.string());
+  EXPECT_EQ(shown(url), local);
+  EXPECT_EQ(shown("episodes@1"), local);
+
+  r = loom_in({"data", "migrate", url}, dir.path(), env);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.output, "error: `loom data migrate` rewrites a local dataset directory, and " + url +
+                          " is a URL: download the dataset, migrate the copy, and upload it "
+                          "again\n");
+
+  // A shard changed on the server: verify names it by URL and exits 1.
+  const std::string shard = m.shards[0].file;
+  {
+    std::fstream f(a / shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(80);
+    f.put('\x01');
+  }
+  r = loom_in({"data", "verify", url}, dir.path(),
+              {{"LOOM_DATA_CACHE", (dir / "cache2").string()}});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const std::string body = util::read_file(a / shard);
+  EXPECT_EQ(last_line(r.output),
+            "CORRUPT: " + url + "/" + shard + ": " + url + "/" + shard +
+                " was downloaded twice with xxHash64 " + util::hash_hex(util::xxh64(body)) +
+                " but the manifest says " + util::hash_hex(m.shards[0].xxhash64) +
+                ": the remote copy differs from the dataset its manifest describes; upload the "
+                "dataset again\n")
       << r.output;
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "data_commands.h"
+#include "loom/data/cache.h"
 #include "loom/data/reader.h"
 #include "loom/data/registry.h"
 #include "loom/data/vocabulary.h"
@@ -23,14 +24,20 @@ int run_verify(const std::string& spec) {
   std::string dir;
   try {
     dir = data::resolve_dataset(spec).dir.string();
-    m = data::read_manifest(dir);
+    m = data::read_manifest(dir, data::RemoteOptions{});
   } catch (const Error& e) {  // no dataset there, or a manifest that cannot be trusted
     std::cerr << "error: " << e.what() << "\n";
     return kExitBadInput;
   }
   Progress progress("verifying", m.total_bytes(), "bytes");
-  const data::VerifyReport report =
-      data::verify_dataset(dir, [&](uint64_t done, uint64_t) { progress.update(done); });
+  auto update = [&](uint64_t done, uint64_t) { progress.update(done); };
+  data::VerifyReport report;
+  if (data::is_remote(dir)) {  // every file downloaded through the node cache, then checked
+    data::NodeCache cache(data::CacheOptions{}, data::RemoteOptions{});
+    report = data::verify_remote_dataset(dir, cache, update);
+  } else {
+    report = data::verify_dataset(dir, update);
+  }
   progress.finish(report.bytes_checked);
   if (!report.ok) {
     std::cout << "CORRUPT: " << report.file;
@@ -205,15 +212,18 @@ void register_data(CLI::App& app, Action& action) {
 
   auto verify_dir = std::make_shared<std::string>();
   CLI::App* verify = data->add_subcommand("verify", "Check every shard hash and record checksum.");
-  verify->add_option("dataset", *verify_dir, "the dataset directory or registry name")->required();
+  verify->add_option("dataset", *verify_dir, "the dataset directory, URL or registry name")
+      ->required();
   verify->footer(
+      "A remote dataset (http(s)://, s3://) is downloaded file by file through the node cache\n"
+      "($LOOM_DATA_CACHE, $LOOM_DATA_CACHE_LIMIT) and checked there.\n"
       "Exit codes: 0 intact, 1 corrupt (the first bad shard or record is named), 2 unreadable.");
   verify->callback(
       [verify_dir, &action] { action = [verify_dir] { return run_verify(*verify_dir); }; });
 
   auto show = std::make_shared<ShowArgs>();
   CLI::App* s = data->add_subcommand("show", "Print the samples a rank reads at a step, decoded.");
-  s->add_option("dataset", show->dir, "the dataset directory or registry name")->required();
+  s->add_option("dataset", show->dir, "the dataset directory, URL or registry name")->required();
   s->add_option("--rank", show->rank, "the rank")->capture_default_str();
   s->add_option("--world", show->world, "ranks reading together")->capture_default_str();
   s->add_option("--step", show->step, "the training step (counting from 0 over all epochs)")

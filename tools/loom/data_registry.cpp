@@ -8,6 +8,7 @@
 #include "data_commands.h"
 #include "loom/data/dataset.h"
 #include "loom/data/registry.h"
+#include "loom/data/remote.h"
 #include "loom/error.h"
 #include "progress.h"
 #include "util/hash.h"
@@ -98,14 +99,15 @@ int run_info(const RegistryArgs& args) {
   const data::DatasetVersion v = registry->get(args.ref);
   std::cout << v.ref() << tags_of(v) << "\n"
             << "content version: " << v.content_version << "\n"
-            << "directory: " << v.dir.string() << "\n"
+            << (data::is_remote(v.dir.string()) ? "url: " : "directory: ") << v.dir.string() << "\n"
             << "kind: " << kind_name(v.kind) << ", " << v.items << " items, " << v.bytes
             << " bytes\n"
             << "registered: " << v.registered_at << "\n";
   print_lineage(v.lineage);
   try {
     data::resolve_dataset(v.ref(), registry->location());
-    std::cout << "files: the directory holds the registered content\n";
+    std::cout << "files: the " << (data::is_remote(v.dir.string()) ? "URL" : "directory")
+              << " holds the registered content\n";
     return kExitOk;
   } catch (const Error& e) {
     std::cout << "files: CHANGED: " << e.what() << "\n";
@@ -172,10 +174,12 @@ int run_diff(const RegistryArgs& args) {
   });
   // The manifests, when both directories still hold what was registered.
   try {
-    const data::Manifest ma =
-        data::read_manifest(data::resolve_dataset(a.ref(), registry->location()).dir);
-    const data::Manifest mb =
-        data::read_manifest(data::resolve_dataset(b.ref(), registry->location()).dir);
+    auto manifest_of = [&](const data::DatasetVersion& v) {
+      return data::read_manifest(data::resolve_dataset(v.ref(), registry->location()).dir.string(),
+                                 data::RemoteOptions{});
+    };
+    const data::Manifest ma = manifest_of(a);
+    const data::Manifest mb = manifest_of(b);
     line("description", ma.description, mb.description);
     line("vocab_size", std::to_string(ma.vocab_size), std::to_string(mb.vocab_size));
     std::map<std::string, data::ShardInfo> ha, hb;
@@ -197,6 +201,9 @@ int run_diff(const RegistryArgs& args) {
 }
 
 int run_migrate(const std::string& dir) {
+  LOOM_CHECK(!data::is_remote(dir), InvalidArgument,
+             "`loom data migrate` rewrites a local dataset ", "directory, and ", dir,
+             " is a URL: download the dataset, migrate the copy, and upload it again");
   const data::Manifest m = data::read_manifest(dir);
   Progress progress("checking shards", m.total_bytes(), "bytes");
   const data::MigrateReport r =
@@ -228,9 +235,13 @@ void register_data_registry(CLI::App& data, Action& action) {
   CLI::App* reg =
       data.add_subcommand("register", "Record a dataset directory as NAME's next version.");
   reg->add_option("name", args->name, "the dataset's name")->required();
-  reg->add_option("dir", args->dir, "the dataset directory")
+  reg->add_option("dir", args->dir, "the dataset directory, or the URL of a remote dataset")
       ->required()
-      ->check(CLI::ExistingDirectory);
+      ->check(CLI::Validator(
+          [](std::string& dir) -> std::string {
+            return data::is_remote(dir) ? "" : CLI::ExistingDirectory(dir);
+          },
+          "DIR|URL"));
   reg->add_option("--parent", args->parent,
                   "the version this one derives from (default: NAME@latest)");
   add_registry_option(*reg, *args);

@@ -96,6 +96,14 @@ class NodeCache {
   std::unique_ptr<Impl> impl_;
 };
 
+// verify_dataset for the URL of a remote dataset: its manifest is fetched, then each file is
+// downloaded through `cache` (hash-checked on arrival, one file pinned at a time, so a cache
+// under a limit suffices) and checked as verify_dataset checks a local one. Files are named by
+// URL in the report; a file that cannot be downloaded, or arrives corrupt twice, is reported as
+// that file's problem. A manifest that cannot be fetched or trusted throws as read_manifest.
+VerifyReport verify_remote_dataset(const std::string& url, NodeCache& cache,
+                                   const ProgressFn& progress = {});
+
 // Parses "123", "64K", "512M", "2G", "1T" (powers of 1024) as bytes; InvalidArgument naming
 // `what` otherwise.
 uint64_t parse_bytes(const std::string& text, const std::string& what);

@@ -7,7 +7,9 @@
 //
 // Registry is the interface; DirectoryRegistry keeps the catalog as a directory tree (shareable
 // over a network file system), and a service can implement the same interface later. Readers
-// resolve names with resolve_dataset(). docs/datasets.md has the layout and the commands.
+// resolve names with resolve_dataset(). A version's dataset is a local directory or the URL of
+// a remote one (http(s)://, s3://; loom/data/remote.h). docs/datasets.md has the layout and
+// the commands.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "loom/data/dataset.h"
+#include "loom/data/remote.h"
 
 namespace loom::data {
 
@@ -41,7 +44,7 @@ struct DatasetVersion {
   std::string name;
   uint64_t number = 0;          // 1, 2, 3, ... per name
   std::string content_version;  // the dataset's Manifest::version when it was registered
-  std::filesystem::path dir;    // absolute
+  std::filesystem::path dir;    // the dataset directory (absolute) or its URL
   DatasetKind kind = DatasetKind::kTokens;
   uint64_t bytes = 0;         // the shards' total size
   uint64_t items = 0;         // tokens or records
@@ -55,6 +58,8 @@ struct DatasetVersion {
 struct RegisterOptions {
   // The parent version ("name@N", any name); empty: the name's latest version, if any.
   std::string parent;
+  // How a remote dataset's manifest and build.json are fetched (credentials, retries).
+  RemoteOptions remote;
 };
 
 // A catalog of dataset versions. Implementations are safe to use from several processes at
@@ -65,11 +70,12 @@ class Registry {
  public:
   virtual ~Registry() = default;
 
-  // Records the dataset at `dir` as the next version of `name`, bound to its content version,
-  // with the lineage of its build.json (if any). If the name's latest version already holds
-  // this content in this directory, returns it instead of adding a copy. `dir` must hold a
-  // readable dataset (read_manifest's errors otherwise).
-  virtual DatasetVersion add(const std::string& name, const std::filesystem::path& dir,
+  // Records the dataset at `location` (a directory, or the URL of a remote dataset) as the
+  // next version of `name`, bound to its content version, with the lineage of its build.json
+  // (if any). If the name's latest version already holds this content at this location,
+  // returns it instead of adding a copy. `location` must hold a readable dataset
+  // (read_manifest's errors, or RemoteError for a URL, otherwise).
+  virtual DatasetVersion add(const std::string& name, const std::string& location,
                              const RegisterOptions& options = {}) = 0;
   // Resolves "name@N", "name@latest", "name@TAG" or "name" (= latest).
   virtual DatasetVersion get(const std::string& ref) const = 0;
@@ -95,7 +101,7 @@ class DirectoryRegistry final : public Registry {
  public:
   explicit DirectoryRegistry(std::filesystem::path root);
 
-  DatasetVersion add(const std::string& name, const std::filesystem::path& dir,
+  DatasetVersion add(const std::string& name, const std::string& location,
                      const RegisterOptions& options = {}) override;
   DatasetVersion get(const std::string& ref) const override;
   std::vector<std::string> names() const override;
@@ -116,16 +122,17 @@ std::unique_ptr<Registry> open_registry(const std::filesystem::path& root = {});
 
 // The lineage file `loom data build` writes into a dataset directory.
 inline constexpr char kBuildLineageFile[] = "build.json";
-// Reads `dir`/build.json; an empty Lineage when there is none, CorruptData when malformed.
-Lineage read_build_lineage(const std::filesystem::path& dir);
+// Reads `location`/build.json (a directory, or a URL fetched with `remote`); an empty Lineage
+// when there is none, CorruptData when malformed.
+Lineage read_build_lineage(const std::string& location, const RemoteOptions& remote = {});
 // Writes `dir`/build.json atomically.
 void write_build_lineage(const std::filesystem::path& dir, const Lineage& lineage);
 // `path`'s size and xxHash64, the path made absolute; IoError when unreadable.
 SourceFile describe_source(const std::filesystem::path& path);
 
-// A dataset as a reader opens it: its directory and, for a registry name, the version.
+// A dataset as a reader opens it: its directory or URL and, for a registry name, the version.
 struct ResolvedDataset {
-  std::filesystem::path dir;
+  std::filesystem::path dir;    // a directory, or the URL of a remote dataset
   std::string ref;              // "kjv@3", or "" when `spec` was a path
   std::string content_version;  // the registered content version, or "" for a path
 };
@@ -134,11 +141,14 @@ struct ResolvedDataset {
 // file or directory of that name exists.
 bool is_registry_name(const std::string& spec);
 
-// `spec` as a directory: a path is returned as it is; a registry name is resolved through
-// open_registry(registry_root) and its directory checked: a directory that is gone is IoError,
-// one whose manifest no longer holds the registered content version is CorruptData naming the
-// version, both content versions and the directory ("its files changed since registration").
+// `spec` as a location: a path or URL is returned as it is; a registry name is resolved through
+// open_registry(registry_root) and its dataset checked: a directory that is gone is IoError, a
+// URL whose manifest cannot be fetched RemoteError naming the version, and a dataset whose
+// manifest no longer holds the registered content version CorruptData naming the version, both
+// content versions and the location ("its files changed since registration"). Remote
+// manifests are fetched with `remote`.
 ResolvedDataset resolve_dataset(const std::string& spec,
-                                const std::filesystem::path& registry_root = {});
+                                const std::filesystem::path& registry_root = {},
+                                const RemoteOptions& remote = {});
 
 }  // namespace loom::data

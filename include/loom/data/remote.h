@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 
+#include "loom/data/dataset.h"
 #include "loom/error.h"
 
 namespace loom::data {
@@ -101,5 +102,10 @@ class RemoteClient {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// A dataset's manifest from its location: a local directory (read_manifest) or the URL of a
+// remote one, fetched with `remote`'s retries and credentials and checked as a local manifest
+// is. Errors as read_manifest's, and RemoteError naming the URL when it cannot be fetched.
+Manifest read_manifest(const std::string& location, const RemoteOptions& remote);
 
 }  // namespace loom::data

@@ -17,9 +17,11 @@ class Vocabulary {
  public:
   // Reads a vocabulary file. Missing is IoError, malformed is CorruptData, naming the file.
   static Vocabulary load(const std::filesystem::path& file);
-  // The vocabulary a token dataset (a directory or a registry name, resolved through
-  // $LOOM_DATA_REGISTRY) names in its manifest, after checking the tokenizer files against
-  // the manifest; InvalidArgument when it names none.
+  // The vocabulary a token dataset (a directory, a registry name resolved through
+  // $LOOM_DATA_REGISTRY, or the URL of a remote dataset, whose tokenizer files are fetched
+  // through the node cache with the default options: loom/data/cache.h) names in its manifest,
+  // after checking the tokenizer files against the manifest; InvalidArgument when it names
+  // none.
   static Vocabulary of_dataset(const std::filesystem::path& dataset);
 
   size_t size() const { return pieces_.size(); }

@@ -18,7 +18,9 @@
 #include "loom/data/dataset.h"
 #include "loom/data/mixture.h"
 #include "loom/data/reader.h"
+#include "loom/data/registry.h"
 #include "loom/data/remote.h"
+#include "util/files.h"
 #include "util/hash.h"
 
 namespace loom::data {
@@ -317,6 +319,108 @@ TEST(RemoteDataset, AMixtureOfARemoteAndALocalSourceEqualsTheAllLocalMixture) {
     ASSERT_TRUE(at::equal(x["tokens"], y["tokens"])) << step;
   }
   EXPECT_EQ(remote.state().to_json(), local.state().to_json());
+}
+
+TEST(RemoteDataset, ARegisteredURLResolvesByNameAndAChangeOrAMoveIsNamed) {
+  TempDir dir;
+  const Manifest m = build_tokens(dir / "ds", 100000, 30000);
+  write_build_lineage(dir / "ds", {.command = "build_tokens(100000, 30000)", .tokenizer = "none"});
+  Nginx nginx(dir.path());
+  const std::string url = nginx.url() + "/ds";
+  DirectoryRegistry registry(dir / "registry");
+  const DatasetVersion v = registry.add("web", url + "/");  // one location, recorded one way
+  EXPECT_EQ(v.ref(), "web@1");
+  EXPECT_EQ(v.dir.string(), url);
+  EXPECT_EQ(v.content_version, m.version);
+  EXPECT_EQ(v.kind, DatasetKind::kTokens);
+  EXPECT_EQ(v.items, m.total_items());
+  EXPECT_EQ(v.bytes, m.total_bytes());
+  EXPECT_EQ(v.lineage.command, "build_tokens(100000, 30000)");
+  EXPECT_EQ(v.lineage.tokenizer, "none");
+  EXPECT_EQ(v.lineage.parent, "");
+  EXPECT_EQ(registry.add("web", url).number, 1u);  // the same content at the same URL
+
+  // Read by name, it is the local dataset, and its state names the version.
+  ReaderOptions o = options(dir / "cache");
+  o.registry = dir / "registry";
+  {
+    Reader named("web@1", o);
+    Reader local(dir / "ds", o);
+    EXPECT_EQ(named.dataset().ref, "web@1");
+    EXPECT_EQ(named.dataset().dir.string(), url);
+    expect_same_batches(named, local, 30);
+  }
+  NodeCache cache(o.cache, o.remote);
+  EXPECT_TRUE(verify_remote_dataset(url, cache).ok);
+
+  // The files behind the URL changed: CorruptData naming both versions.
+  fs::rename(dir / "ds", dir / "old");
+  const Manifest changed = build_tokens(dir / "ds", 90000, 30000);
+  EXPECT_EQ(loom::testing::error_of<CorruptData>(
+                [&] { resolve_dataset("web@1", dir / "registry", o.remote); }),
+            "dataset web@1 was registered with content version " + m.version + " but " + url +
+                " now holds version " + changed.version +
+                ": its files changed since registration. Restore them, or register the new "
+                "content as a new version (`loom data register web " +
+                url + "`)");
+  // Gone: the server's 404, named with the version.
+  fs::remove_all(dir / "ds");
+  try {
+    resolve_dataset("web@1", dir / "registry", o.remote);
+    FAIL() << "no error";
+  } catch (const RemoteError& e) {
+    EXPECT_EQ(e.status(), 404);
+    EXPECT_EQ(e.url(), url + "/manifest.json");
+    EXPECT_EQ(std::string(e.what()),
+              "dataset web@1 is registered at " + url + ": fetching " + url +
+                  "/manifest.json failed: HTTP 404; it does not exist: check the URL and that "
+                  "the dataset was uploaded whole");
+  }
+}
+
+TEST(RemoteDataset, VerifyDownloadsEveryFileAndNamesTheCorruptOneByURL) {
+  TempDir dir;
+  const Manifest m = build_tokens(dir / "ds", 150000, 30000);
+  ASSERT_EQ(m.shards.size(), 5u);
+  const ShardInfo& bad = m.shards[3];
+  FaultyServer server(dir.path(), [&](const std::string& path, int) {
+    if (path == "/ds/" + bad.file) return FaultyServer::Answer{FaultyServer::Fault::kFlipByte};
+    return FaultyServer::Answer{};
+  });
+  NodeCache cache({dir / "cache", 2 * bad.bytes}, {.backoff_s = 0.01, .backoff_max_s = 0.05});
+  std::vector<uint64_t> seen;
+  const VerifyReport report =
+      verify_remote_dataset(server.url() + "/ds", cache, [&](uint64_t done, uint64_t total) {
+        EXPECT_EQ(total, m.total_bytes());
+        seen.push_back(done);
+      });
+  // The body the server sends, as the cache hashed it.
+  std::string body = util::read_file(dir / "ds" / bad.file);
+  body[body.size() / 2] ^= 0x20;
+  const std::string url = server.url() + "/ds/" + bad.file;
+  EXPECT_FALSE(report.ok);
+  EXPECT_EQ(report.file, url);
+  EXPECT_EQ(report.problem, url + " was downloaded twice with xxHash64 " +
+                                util::hash_hex(util::xxh64(body.data(), body.size())) +
+                                " but the manifest says " + util::hash_hex(bad.xxhash64) +
+                                ": the remote copy differs from the dataset its manifest "
+                                "describes; upload the dataset again");
+  // The shards before it were each downloaded, hashed and checked whole; under a limit of two
+  // shards the cache never held more than that.
+  uint64_t before = 0;
+  for (size_t s = 0; s < 3; ++s) before += m.shards[s].bytes;
+  EXPECT_EQ(report.bytes_checked, before);
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.back(), before);
+  EXPECT_LE(cache.resident_bytes(), 2 * bad.bytes);
+  EXPECT_EQ(server.requests("/ds/" + bad.file), 2);
+  EXPECT_EQ(server.requests("/ds/" + m.shards[4].file), 0);  // it stops at the first problem
+
+  // The same dataset served whole verifies, every byte counted.
+  FaultyServer good(dir.path(), [](const std::string&, int) { return FaultyServer::Answer{}; });
+  const VerifyReport ok = verify_remote_dataset(good.url() + "/ds", cache);
+  EXPECT_TRUE(ok.ok) << ok.problem;
+  EXPECT_EQ(ok.bytes_checked, m.total_bytes());
 }
 
 TEST(NodeCache, EvictsLeastRecentlyUsedFilesButNeverAPinnedOne) {
