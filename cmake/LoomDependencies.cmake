@@ -12,6 +12,9 @@ find_package(CLI11 CONFIG REQUIRED)  # the loom tool and the benchmarks' command
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)  # checksums (libxxhash-dev)
 find_package(CURL 7.75 REQUIRED)  # remote datasets: http(s) and S3 SigV4 (libcurl4-openssl-dev)
+# cpp-httplib (libcpp-httplib-dev): the agents' snapshot replication server, and the tests'
+# faulty HTTP server.
+pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 # SentencePiece is used through its command-line tools (spm_train, spm_encode): its library
 # bundles protobuf 3.14, which clashes with the protobuf libtorch loads (a crash at start-up).
 

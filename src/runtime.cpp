@@ -91,6 +91,7 @@ Topology Topology::from_env() {
   t.generation = env_int({"LOOM_GENERATION"}).value_or(0);
   t.job_token = env_str("LOOM_JOB_TOKEN");
   t.tls = {env_str("LOOM_TLS_CERT"), env_str("LOOM_TLS_KEY"), env_str("LOOM_TLS_CA")};
+  t.snapshot_dir = env_str("LOOM_SNAPSHOT_DIR");
   if (t.coordinator.empty() && !env_str("MASTER_ADDR").empty()) {
     std::string port = env_str("MASTER_PORT");
     LOOM_CHECK(!port.empty(), InvalidArgument, "MASTER_ADDR is set but MASTER_PORT is not");

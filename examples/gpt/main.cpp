@@ -164,8 +164,12 @@ void train(loom::Runtime& rt) {
         const at::Tensor loss = model->loss(tokens.slice(1, 0, -1), tokens.slice(1, 1));
         return loom::train::MicroStep{loss, tokens.size(0) * model_cfg.seq_len, tokens.size(0)};
       },
-      {.on_eval = [&](int64_t step) { evaluate(step + 1); }});
-  evaluate(0);
+      // The untrained model's held-out loss, once: not again after a restart resumes.
+      {.on_start =
+           [&](int64_t step) {
+             if (step == 0) evaluate(0);
+           },
+       .on_eval = [&](int64_t step) { evaluate(step + 1); }});
   const auto start = std::chrono::steady_clock::now();
   const loom::train::FitResult result = trainer.fit();
   const double seconds =

@@ -57,6 +57,10 @@ struct Topology {
   int64_t generation = 0;   // LOOM_GENERATION: >= 1 under `loom run` (+1 per restart), else 0
   std::string job_token;    // LOOM_JOB_TOKEN: presented to the coordinator
   control::TlsFiles tls;    // how to reach the coordinator over TLS (`loom run --tls-*`)
+  // LOOM_SNAPSHOT_DIR: memory (a tmpfs directory) that this node's `loom run` agent holds for
+  // the job's in-memory snapshots; it outlives the worker processes, not the agent. Empty when
+  // not under `loom run` (or started with --snapshots=off): train::Trainer then takes none.
+  std::filesystem::path snapshot_dir;
 
   static Topology from_env();
   void validate() const;

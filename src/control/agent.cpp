@@ -19,6 +19,8 @@
 #include <thread>
 
 #include "control/client.h"
+#include "control/snapshot_memory.h"
+#include "control/snapshot_replication.h"
 #include "loom/control/coordinator.h"
 #include "loom/control/store.h"
 #include "loom/error.h"
@@ -190,6 +192,17 @@ class Agent {
                                                 options.tls);
     advertise_ = advertise_address(address_);
     std::filesystem::create_directories(options.run_dir / "logs");
+    if (!options.snapshot_root.empty()) {
+      snapshots_ = std::make_unique<SnapshotMemory>(options.snapshot_root);
+      replication_ =
+          std::make_unique<SnapshotReplication>(snapshots_->dir(), advertise_, options.token);
+      say("in-memory snapshots in ", snapshots_->dir().string(), ", served at ",
+          replication_->url(),
+          snapshots_->stale_removed() > 0
+              ? detail::concat(" (removed ", snapshots_->stale_removed(),
+                               " left by agents that died)")
+              : std::string());
+    }
   }
 
   int run() {
@@ -199,6 +212,9 @@ class Agent {
       if (!round) return 128 + g_stop_signal.load();
       if (round->outcome() != v1::JOIN_ADMITTED) return finish_without_round(*round);
       generation_ = round->generation();
+      node_rank_ = round->node_rank();
+      nnodes_ = round->nnodes();
+      publish_snapshot_server();
       say("generation ", round->generation(), ": node ", round->node_rank(), " of ",
           round->nnodes(), ", ranks ", round->rank_offset(), "-",
           round->rank_offset() + options_.nproc_per_node - 1, " of world size ",
@@ -282,6 +298,7 @@ class Agent {
         {"LOOM_JOB_TOKEN", options_.token},
         {"LOOM_RUN_DIR", options_.run_dir.string()},
         {"LOOM_ADVERTISE_ADDR", advertise_},
+        {"LOOM_SNAPSHOT_DIR", snapshots_ ? snapshots_->dir().string() : ""},
         // torchrun's environment (torch/distributed/elastic/agent/server/
         // local_elastic_agent.py), one role named "default": a PyTorch program's
         // init_process_group() with env:// works unchanged. Not an agent store: rank 0
@@ -311,6 +328,33 @@ class Agent {
     if (std::getenv("OMP_NUM_THREADS") == nullptr && options_.nproc_per_node > 1)
       env["OMP_NUM_THREADS"] = "1";
     return env;
+  }
+
+  std::string snapshot_key(int64_t node) const {
+    return detail::concat("loom/snapshots/generation_", generation_, "/node_", node);
+  }
+
+  // Publishes this node's snapshot server for the generation; its peers are found by
+  // follow_snapshot_peers() once they have published theirs.
+  void publish_snapshot_server() {
+    followed_ = !replication_ || nnodes_ == 1;
+    if (replication_) {
+      replication_->follow("", "");  // the old generation's peers may be gone
+      store_->set(snapshot_key(node_rank_), replication_->url());
+    }
+  }
+
+  // Node n copies node n - 1's snapshot files and node 0's manifests (SnapshotReplication);
+  // called from the watch loop until both have published their servers.
+  void follow_snapshot_peers() {
+    if (followed_) return;
+    const int64_t predecessor = (node_rank_ + nnodes_ - 1) % nnodes_;
+    if (!store_->check({snapshot_key(predecessor), snapshot_key(0)})) return;
+    const std::string from = store_->get(snapshot_key(predecessor), milliseconds(1000));
+    const std::string manifests =
+        node_rank_ == 0 ? "" : store_->get(snapshot_key(0), milliseconds(1000));
+    replication_->follow(from, manifests);
+    followed_ = true;
   }
 
   std::vector<Worker> spawn_workers(const v1::JoinReply& round) {
@@ -397,6 +441,12 @@ class Agent {
         leave(true, 0, "");
         left = true;
       }
+      try {
+        follow_snapshot_peers();
+      } catch (const Error& e) {
+        say("snapshot replication: cannot find the peers' servers: ", e.what());
+        followed_ = true;  // this generation runs without replication
+      }
       v1::HeartbeatRequest beat;
       beat.set_node_id(node_id_);
       beat.set_rank(-1);
@@ -480,9 +530,14 @@ class Agent {
   std::string advertise_;  // this node's address towards the coordinator, for the workers
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<CoordinatorClient> client_;
-  std::unique_ptr<CoordinatorStore> store_;  // MASTER_ADDR:MASTER_PORT per generation
+  std::unique_ptr<CoordinatorStore> store_;           // MASTER_ADDR:MASTER_PORT per generation
+  std::unique_ptr<SnapshotMemory> snapshots_;         // null without snapshots
+  std::unique_ptr<SnapshotReplication> replication_;  // null without snapshots
   // Owned by the agent's thread.
   int64_t generation_ = 0;
+  int64_t node_rank_ = 0;
+  int64_t nnodes_ = 1;
+  bool followed_ = true;  // this generation's snapshot peers are followed (or there are none)
   bool failure_reported_ = false;
 };
 

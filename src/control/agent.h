@@ -31,6 +31,9 @@ struct AgentOptions {
   int max_restarts = 0;         // failures tolerated before the job fails
   std::string run_id = "none";  // TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
   std::filesystem::path run_dir = "runs/loom-run";
+  // In-memory snapshots: the agent holds a directory under this root (tmpfs) for the job and
+  // gives it to the workers as LOOM_SNAPSHOT_DIR (control/snapshot_memory.h). Empty: none.
+  std::filesystem::path snapshot_root = "/dev/shm/loom";
   std::chrono::milliseconds grace{std::chrono::seconds(10)};  // SIGTERM -> SIGKILL
   std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(120)};
   std::chrono::milliseconds heartbeat_interval{std::chrono::milliseconds(500)};

@@ -150,8 +150,9 @@ struct RemoteClient::Impl {
         headers =
             curl_slist_append(headers, ("x-amz-security-token: " + options.session_token).c_str());
       }
-      curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
     }
+    for (const std::string& h : options.headers) headers = curl_slist_append(headers, h.c_str());
+    if (headers != nullptr) curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
     r.code = curl_easy_perform(curl);
     curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &r.status);
     r.curl_error = error[0] ? error : curl_easy_strerror(r.code);

@@ -5,14 +5,17 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <csignal>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "ckpt/manifest.h"
 #include "loom/ckpt/checkpointer.h"
 #include "loom/ckpt/export.h"
 #include "loom/comm/group.h"
@@ -84,6 +87,9 @@ ConfigSchema TrainOptions::schema() {
   s.add("train.checkpoint_every", int64_t{0},
         "steps between async checkpoints; 0 = only at the end");
   s.add("train.keep_last", 3, "committed checkpoints kept");
+  s.add("train.snapshot_every", int64_t{1},
+        "steps between in-memory snapshots under `loom run` (skipped while one is still being "
+        "written); 0 = none");
   s.add("train.on_non_finite", "stop", "stop (error naming the parameter) or skip the step");
   s.add("train.log_every", int64_t{10}, "steps between metrics log lines (without a terminal)");
   s.add("train.resume", true, "resume from the newest committed checkpoint in <run.dir>/ckpt");
@@ -120,6 +126,7 @@ TrainOptions TrainOptions::from(const Config& c) {
   o.eval_every = c.get<int64_t>("train.eval_every");
   o.checkpoint_every = c.get<int64_t>("train.checkpoint_every");
   o.keep_last = c.get<int>("train.keep_last");
+  o.snapshot_every = c.get<int64_t>("train.snapshot_every");
   const auto non_finite = c.get<std::string>("train.on_non_finite");
   LOOM_CHECK(non_finite == "stop" || non_finite == "skip", ConfigError,
              "train.on_non_finite must be stop or skip, got '", non_finite, "'");
@@ -143,13 +150,23 @@ struct Trainer::Impl {
   LossFn loss_fn;
   Callbacks callbacks;
 
+  // A series of saves: the checkpoints on disk (<run_dir>/ckpt), or the snapshots in the node's
+  // memory (Topology::snapshot_dir, tmpfs the `loom run` agent holds for the job).
+  struct Series {
+    const char* what;                                  // "checkpoint" or "snapshot", for the log
+    std::unique_ptr<ckpt::Checkpointer> checkpointer;  // null: this series is off
+    ckpt::State state;         // the last save's description (its tensors are live views)
+    at::Tensor rng;            // this rank's CPU generator state, copied at each save
+    ckpt::SaveHandle pending;  // the save in flight, if any
+  };
+
   // The training thread's.
-  std::unique_ptr<ckpt::Checkpointer> checkpointer;
+  Series disk{"checkpoint"};
+  Series snapshots{"snapshot"};
+  bool snapshot_busy = false;  // some rank's last snapshot was still being written (all agree)
+  std::deque<int64_t> committed_snapshots;  // the newest snapshots_kept() committed, oldest first
   std::unique_ptr<metrics::MetricsLogger> metrics;
-  ckpt::State save_state;    // the last save's description (its tensors are live views)
-  at::Tensor rng_buffer;     // this rank's CPU generator state, copied at each save
-  ckpt::SaveHandle pending;  // the save in flight, if any
-  int64_t step = 0;          // the next step's index = steps completed
+  int64_t step = 0;  // the next step's index = steps completed
   int64_t skipped = 0;
   bool stop_agreed = false;      // some rank got SIGTERM/SIGINT before the last step's all-reduce
   double loss_scale = 1;         // LossScaling: the current scale (1 without)
@@ -179,14 +196,32 @@ struct Trainer::Impl {
     loss_scale = ls.enabled ? ls.init_scale : 1.0;
   }
 
-  void open_checkpointer() {
-    checkpointer = std::make_unique<ckpt::Checkpointer>(
+  void open_checkpointers() {
+    const at::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
+    disk.checkpointer = std::make_unique<ckpt::Checkpointer>(
         rt.store(), ckpt::CheckpointerOptions{.dir = rt.run_dir() / "ckpt",
                                               .rank = rt.rank(),
                                               .world_size = rt.world_size(),
                                               .keep_last = options.keep_last,
                                               .timeout = options.checkpoint_timeout});
-    rng_buffer = at::detail::getDefaultCPUGenerator().get_state().clone();
+    disk.rng = rng.clone();
+    const std::filesystem::path& memory = rt.topology().snapshot_dir;
+    if (options.snapshot_every <= 0 || memory.empty()) return;
+    // Files on tmpfs (O_DIRECT does not apply there). Every node's ranks write into their own
+    // node's directory, rank 0 commits in its node's, and the agents copy each node's files to
+    // the next node (control/snapshot_replication.h). One snapshot is kept and at most one is
+    // in flight; with several nodes two are kept, so that a node lost while its last snapshot
+    // was being copied leaves the one before whole on the next node (docs/checkpoint.md,
+    // "In-memory snapshots").
+    snapshots.checkpointer = std::make_unique<ckpt::Checkpointer>(
+        rt.store(), ckpt::CheckpointerOptions{.dir = memory,
+                                              .rank = rt.rank(),
+                                              .world_size = rt.world_size(),
+                                              .keep_last = snapshots_kept(),
+                                              .timeout = options.checkpoint_timeout,
+                                              .direct_io = false,
+                                              .store_prefix = "snapshot"});
+    snapshots.rng = rng.clone();
   }
 
   // Unset: the optimizer's rate, constant. Set and differing from it: say so, naming both,
@@ -206,12 +241,11 @@ struct Trainer::Impl {
 
   // What a checkpoint holds, as views of the live state. Built anew for every save: the
   // strategy's "optim" blob (the optimizer's step count) changes every step.
-  ckpt::State describe_state() {
+  ckpt::State describe_state(const at::Tensor& rng) {
     ckpt::State state;
     strategy.add_state(state);
-    state.add(
-        "rng/cpu", rng_buffer.view({1, -1}),
-        ckpt::Sharding::rows({rt.world_size(), rng_buffer.numel()}, rt.rank(), rt.rank() + 1));
+    state.add("rng/cpu", rng.view({1, -1}),
+              ckpt::Sharding::rows({rt.world_size(), rng.numel()}, rt.rank(), rt.rank() + 1));
     json trainer{{"step", step}, {"skipped_steps", skipped}};
     trainer["loss_scale"] = loss_scale;
     trainer["loss_scale_good_steps"] = scale_good_steps;
@@ -221,15 +255,55 @@ struct Trainer::Impl {
     return state;
   }
 
-  // Resumes from the newest committed checkpoint; returns whether there was one.
+  // The newest committed snapshot that every rank sees whole (a node's snapshot directory
+  // holds its own ranks' files and those its agent copied from the previous node), or nothing.
+  // Two all-reduces on the control group: the least of the ranks' newest whole snapshots, then
+  // whether every rank holds that one whole. Under `loom run` (where a node may run without
+  // snapshots while another has them) or with snapshots on; every rank calls it.
+  std::optional<ckpt::CheckpointInfo> agreed_newest_snapshot() {
+    if (rt.topology().generation == 0 && !snapshots.checkpointer) return std::nullopt;
+    std::vector<ckpt::CheckpointInfo> whole;
+    if (snapshots.checkpointer) {
+      for (const ckpt::CheckpointInfo& info : snapshots.checkpointer->list()) {
+        if (holds_every_file(info)) whole.push_back(info);
+      }
+    }
+    at::Tensor newest =
+        at::tensor({whole.empty() ? -1.0 : static_cast<double>(whole.back().step)}, at::kDouble);
+    rt.control_group().all_reduce(newest, {.op = comm::ReduceOp::kMin})->wait();
+    const int64_t step = static_cast<int64_t>(newest.item<double>());
+    auto it = std::find_if(whole.begin(), whole.end(),
+                           [&](const ckpt::CheckpointInfo& i) { return i.step == step; });
+    at::Tensor held = at::tensor({it != whole.end() ? 1.0 : 0.0}, at::kDouble);
+    rt.control_group().all_reduce(held, {.op = comm::ReduceOp::kMin})->wait();
+    if (held.item<double>() == 0) return std::nullopt;
+    return *it;
+  }
+
+  // Whether a committed step's directory holds the data file of every rank that saved it: a
+  // node's snapshot directory holds only its own ranks' files, and those its agent replicated.
+  static bool holds_every_file(const ckpt::CheckpointInfo& info) {
+    for (int r = 0; r < info.world_size; ++r) {
+      if (!std::filesystem::exists(info.path / ckpt::data_file_name(r))) return false;
+    }
+    return true;
+  }
+
+  // Resumes from the newest committed snapshot or checkpoint, whichever is newer (the snapshot
+  // on a tie: it is in memory); returns whether there was one.
   bool resume() {
-    const auto steps = checkpointer->list();
-    if (!options.resume || steps.empty()) return false;
-    const ckpt::CheckpointInfo& newest = steps.back();
+    if (!options.resume) return false;
+    std::optional<ckpt::CheckpointInfo> on_disk;
+    if (const auto steps = disk.checkpointer->list(); !steps.empty()) on_disk = steps.back();
+    const std::optional<ckpt::CheckpointInfo> in_memory = agreed_newest_snapshot();
+    const bool from_memory = in_memory && (!on_disk || in_memory->step >= on_disk->step);
+    if (!from_memory && !on_disk) return false;
+    Series& source = from_memory ? snapshots : disk;
+    const ckpt::CheckpointInfo& newest = from_memory ? *in_memory : *on_disk;
     ckpt::State state;
     strategy.add_state(state);
     const bool same_world = newest.world_size == rt.world_size();
-    at::Tensor rng = at::empty_like(rng_buffer);
+    at::Tensor rng = at::empty_like(disk.rng);
     if (same_world) {
       state.add("rng/cpu", rng.view({1, -1}),
                 ckpt::Sharding::rows({rt.world_size(), rng.numel()}, rt.rank(), rt.rank() + 1));
@@ -240,7 +314,7 @@ struct Trainer::Impl {
     // world size the per-rank RNG streams, which have no meaning there.
     ckpt::LoadOptions load{.strict = options.resume_strict, .leave_out = {"config"}};
     if (!same_world) load.leave_out.push_back("rng/cpu");
-    const int64_t loaded = checkpointer->load(newest.step, state, load);
+    const int64_t loaded = source.checkpointer->load(newest.step, state, load);
     strategy.load_state(state);
     const json trainer = json::parse(state.blobs.at("trainer"));
     step = trainer.at("step").get<int64_t>();
@@ -259,7 +333,7 @@ struct Trainer::Impl {
           "from the seed",
           rt.world_size(), newest.world_size);
     }
-    rt.log().info("resumed from checkpoint step {} ({}): continuing at step {}", loaded,
+    rt.log().info("resumed from {} step {} ({}): continuing at step {}", source.what, loaded,
                   newest.path.string(), step);
     return true;
   }
@@ -274,31 +348,73 @@ struct Trainer::Impl {
         options.init_from, loaded);
   }
 
-  // Waits for the save in flight, if any, and reports it committed; raises its error.
-  void finish_pending() {
-    if (!pending.valid()) return;
-    pending.wait(options.checkpoint_timeout);
-    metrics->on_checkpoint_committed(pending.step());
-    pending = {};
+  // Waits for the series' save in flight, if any, and reports it committed; raises its error.
+  void finish_pending(Series& series) {
+    if (!series.pending.valid()) return;
+    if (&series == &snapshots) {
+      try {
+        series.pending.wait(options.checkpoint_timeout);
+      } catch (const Error& e) {
+        // Raised on every rank alike (the commit carries it), so every rank stops taking
+        // snapshots at the same step; checkpoints go on.
+        rt.log().warn(
+            "the in-memory snapshot of step {} failed: {}; no more snapshots in this run "
+            "(checkpoints continue). Check the space of {} (tmpfs) or pass train.snapshot_every=0",
+            series.pending.step(), e.what(), rt.topology().snapshot_dir.string());
+        series.pending = {};
+        series.checkpointer.reset();
+        return;
+      }
+    } else {
+      series.pending.wait(options.checkpoint_timeout);
+    }
+    const int64_t committed = series.pending.step();
+    const bool skipped = series.pending.skipped();
+    series.pending = {};
+    if (skipped) return;
+    metrics->on_checkpoint_committed(committed);
+    if (&series == &snapshots) drop_older_snapshot_files(committed);
   }
 
-  void save(bool sync) {
-    finish_pending();
-    rng_buffer.copy_(at::detail::getDefaultCPUGenerator().get_state());
-    save_state = describe_state();
-    if (sync) {
-      checkpointer->save_sync(step, save_state);
-      metrics->on_checkpoint_committed(step);
-    } else {
-      pending =
-          checkpointer->save(step, save_state, {.defer_copy = options.overlap_checkpoint_copy});
+  int snapshots_kept() const {
+    return rt.world_size() > std::max(1, rt.topology().local_world_size) ? 2 : 1;
+  }
+
+  // Retention of a node whose snapshot directory rank 0 does not write to: rank 0's
+  // Checkpointer keeps the newest snapshots_kept() steps in its own node's directory, and the
+  // first rank of every other node removes its node's files of the steps before those.
+  void drop_older_snapshot_files(int64_t committed) {
+    committed_snapshots.push_back(committed);
+    while (static_cast<int>(committed_snapshots.size()) > snapshots_kept())
+      committed_snapshots.pop_front();
+    if (rt.local_rank() != 0 || rt.rank() - rt.local_rank() == 0) return;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(rt.topology().snapshot_dir, ec)) {
+      const std::optional<int64_t> old = ckpt::parse_step_dir_name(entry.path().filename());
+      if (old && *old < committed_snapshots.front()) std::filesystem::remove_all(entry.path(), ec);
     }
   }
 
-  // Reports the save in flight once it has finished; raises its error. Never blocks.
-  void poll_pending() {
-    if (pending.valid() && pending.done()) finish_pending();
+  void save(Series& series, bool sync) {
+    finish_pending(series);
+    series.rng.copy_(at::detail::getDefaultCPUGenerator().get_state());
+    series.state = describe_state(series.rng);
+    if (sync) {
+      series.checkpointer->save_sync(step, series.state);
+      metrics->on_checkpoint_committed(step);
+    } else {
+      series.pending = series.checkpointer->save(step, series.state,
+                                                 {.defer_copy = options.overlap_checkpoint_copy});
+    }
   }
+
+  // Reports the series' save in flight once it has finished; raises its error. Never blocks.
+  void poll_pending(Series& series) {
+    if (series.pending.valid() && series.pending.done()) finish_pending(series);
+  }
+
+  // Whether this rank's last snapshot is still being written.
+  bool snapshot_in_flight() const { return snapshots.pending.valid() && !snapshots.pending.done(); }
 
   std::string first_non_finite_parameter() const {
     const std::string name = strategy.first_non_finite_gradient();
@@ -381,9 +497,11 @@ struct Trainer::Impl {
       rt.log().warn("step {}: gradient norm {}; step skipped ({} so far)", step, info.grad_norm,
                     skipped);
     }
-    if (pending.valid()) {
+    if (disk.pending.valid() || snapshots.pending.valid()) {
       auto phase = timer.phase(Phase::kCheckpointStall);
-      checkpointer->before_optimizer_step();  // the deferred snapshot, before parameters change
+      // The deferred copies, before the parameters change.
+      if (disk.pending.valid()) disk.checkpointer->before_optimizer_step();
+      if (snapshots.pending.valid()) snapshots.checkpointer->before_optimizer_step();
     }
     if (!info.skipped) {
       auto phase = timer.phase(Phase::kOptimizer);
@@ -391,12 +509,15 @@ struct Trainer::Impl {
       strategy.step();
     }
     // One small all-reduce on the control group (host scalars, never the tensor group): the
-    // loss sum, and whether any rank was asked to stop (so every rank stops after the same step).
-    at::Tensor sums =
-        at::tensor({info.local_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0}, at::kDouble);
+    // loss sum, whether any rank was asked to stop (so every rank stops after the same step),
+    // and whether any rank is still writing its last snapshot (so every rank skips the next).
+    at::Tensor sums = at::tensor(
+        {info.local_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0, snapshot_in_flight() ? 1.0 : 0.0},
+        at::kDouble);
     rt.control_group().all_reduce(sums)->wait();
     info.loss = sums[0].item<double>() / rt.world_size();
     stop_agreed = sums[1].item<double>() > 0;
+    snapshot_busy = sums[2].item<double>() > 0;
     const metrics::StepMetrics logged =
         metrics->log_step({.step = step,
                            .epoch = static_cast<int64_t>(batch.epoch),
@@ -419,20 +540,26 @@ struct Trainer::Impl {
                                                 : metrics::PeakFlops{},
                                     .log_every = options.log_every});
     resolve_schedule();
-    open_checkpointer();
+    open_checkpointers();
     FitResult result;
     if (!resume() && !options.init_from.empty()) init_weights();
     result.start_step = step;
     metrics->on_resume(step);
+    if (callbacks.on_start) callbacks.on_start(step);
     while (step < options.steps) {
       const StepInfo info = run_step();
       ++step;
       result.last_loss = info.loss;
       if (callbacks.on_step_end) callbacks.on_step_end(info);
-      poll_pending();
+      poll_pending(disk);
+      poll_pending(snapshots);
       if (options.checkpoint_every > 0 && step % options.checkpoint_every == 0 &&
           step < options.steps) {
-        save(false);
+        save(disk, false);
+      }
+      if (snapshots.checkpointer && step % options.snapshot_every == 0 && step < options.steps &&
+          !snapshot_busy) {
+        save(snapshots, false);  // the previous one is done on every rank: no wait
       }
       if (options.eval_every > 0 && step % options.eval_every == 0 && callbacks.on_eval) {
         metrics->clear_progress_line();
@@ -447,9 +574,10 @@ struct Trainer::Impl {
     }
     metrics->clear_progress_line();
     // The save in flight first: it may already be this very step (a stop right after a save).
-    finish_pending();
-    const std::optional<int64_t> latest = checkpointer->latest();
-    if (!latest || *latest != step) save(true);
+    finish_pending(snapshots);
+    finish_pending(disk);
+    const std::optional<int64_t> latest = disk.checkpointer->latest();
+    if (!latest || *latest != step) save(disk, true);
     result.steps_done = step;
     result.skipped_steps = skipped;
     return result;

@@ -90,28 +90,64 @@ TEST_F(Trainer, TwoRunsGiveBitwiseIdenticalLosses) {
   EXPECT_NE(losses("a", 0), losses("a", 1)) << "ranks read different samples";
 }
 
-class TrainerResume : public Trainer, public ::testing::WithParamInterface<std::string> {};
+// (mode, snapshots): the probe's DataParallel mode; whether `loom run`'s in-memory snapshots
+// are taken every step (train.snapshot_every=1, the default) or not at all.
+class TrainerResume : public Trainer,
+                      public ::testing::WithParamInterface<std::tuple<std::string, bool>> {};
 
 TEST_P(TrainerResume, SigkilledRunResumesBitwiseLikeTheUninterruptedRun) {
-  const std::string mode = "--probe.mode=" + GetParam();
-  auto whole = run("whole", 2, {"--train.steps=16", mode});
+  const auto [mode_name, snapshots] = GetParam();
+  const std::string mode = "--probe.mode=" + mode_name;
+  const std::string every = snapshots ? "--train.snapshot_every=1" : "--train.snapshot_every=0";
+  auto whole = run("whole", 2, {"--train.steps=16", mode, every});
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
-  // Rank 1 SIGKILLs itself before step 10; the newest committed checkpoint then holds step 8,
-  // or step 4 when the asynchronous save of step 8 had not committed yet.
-  auto killed = run("killed", 2, {"--train.steps=16", mode, "--probe.kill_at_step=10"});
+  // Rank 1 SIGKILLs itself in step 10. The newest committed checkpoint then holds step 8, or
+  // step 4 when the asynchronous save of step 8 had not committed yet; the newest snapshot is
+  // newer (a snapshot's copy waits for the next step's optimizer step, so step 10's never
+  // commits: 9 at best).
+  // Steps of at least 30 ms (a stand-in for a larger model's compute) give a snapshot time to
+  // commit within the next step, as it does on a real model.
+  auto killed =
+      run("killed", 2,
+          {"--train.steps=16", mode, every, "--probe.kill_at_step=10", "--probe.step_ms=30"});
   ASSERT_EQ(killed.exit_code, 0) << killed.output;
   EXPECT_NE(killed.output.find("generation 1 ended"), std::string::npos) << killed.output;
-  EXPECT_NE(killed.output.find("resumed from checkpoint step "), std::string::npos)
-      << killed.output;
+  int resumed_at = -1;
+  std::string source;
+  for (const char* what : {"snapshot", "checkpoint"}) {
+    const std::string from = std::string("resumed from ") + what + " step ";
+    if (const size_t at = killed.output.find(from); at != std::string::npos) {
+      resumed_at = std::stoi(killed.output.substr(at + from.size()));
+      source = what;
+    }
+  }
+  ASSERT_GE(resumed_at, 0) << killed.output;
+  if (snapshots && source == "snapshot") {
+    EXPECT_TRUE(resumed_at == 8 || resumed_at == 9) << killed.output;
+  } else {
+    // Without snapshots; or with them, when this machine was too loaded for snapshot 8 or 9 to
+    // commit (then the checkpoint of step 8 is the newest state).
+    EXPECT_EQ(source, "checkpoint") << killed.output;
+    EXPECT_TRUE(resumed_at == 4 || resumed_at == 8) << killed.output;
+    if (snapshots) {
+      EXPECT_EQ(resumed_at, 8) << killed.output;
+    }
+  }
   for (int r = 0; r < 2; ++r) {
     int lines = 0;
     const auto resumed = losses("killed", r, &lines);
-    EXPECT_GT(lines, 16) << "rank " << r << ": steps after the checkpoint ran twice";
+    // Rank 0 finished step 9 (its all-reduce waited for rank 1's); rank 1 logged 0..9 too,
+    // then the resumed run redid the steps from resumed_at.
+    EXPECT_EQ(lines, 16 + (10 - resumed_at)) << "rank " << r;
     EXPECT_EQ(resumed, losses("whole", r)) << "rank " << r;
   }
+  std::printf("[ recovery ] %s, snapshots %s: resumed from %s step %d, %d steps recomputed\n",
+              mode_name.c_str(), snapshots ? "on" : "off", source.c_str(), resumed_at,
+              10 - resumed_at);
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, TrainerResume, ::testing::Values("ddp", "zero2"));
+INSTANTIATE_TEST_SUITE_P(Modes, TrainerResume,
+                         ::testing::Combine(::testing::Values("ddp", "zero2"), ::testing::Bool()));
 
 TEST_F(Trainer, ResumesAtAnotherWorldSize) {
   auto two = run("elastic", 2, {"--train.steps=8", "--probe.mode=zero2"});

@@ -1,13 +1,16 @@
 // A small language model trained through train::Trainer, for the trainer's end-to-end tests:
 // DDP or ZeRO from the config, async checkpoints, resume. Every step's rank-local loss is
 // appended to <run_dir>/losses_rank<r>.txt as "<step> <loss in hexfloat>", so that tests can
-// compare runs bit for bit; probe.kill_at_step makes rank 1 SIGKILL itself in generation 1;
+// compare runs bit for bit, and the final parameters go to <run_dir>/params_rank<r>.bin as raw
+// bytes; probe.kill_at_step makes rank 1 SIGKILL itself in generation 1;
 // probe.hidden_bias=false changes the model, probe.optimizer_lr the optimizer's own rate.
 #include <loom/loom.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <thread>
 
 namespace {
 
@@ -45,6 +48,8 @@ int main(int argc, char** argv) {
            "rank 1 SIGKILLs itself before this step in generation 1");
   keys.add("probe.hidden_bias", true, "the hidden layer has a bias (false: a changed model)");
   keys.add("probe.optimizer_lr", 1e-3, "the AdamW optimizer's own learning rate");
+  keys.add("probe.step_ms", int64_t{0},
+           "each step's loss waits this long first (a stand-in for a larger model's compute)");
   return loom::run_main(argc, argv, keys, [](loom::Runtime& rt) {
     const loom::Config& cfg = rt.config();
     auto reader = rt.open_dataset(cfg.get<std::string>("probe.data"),
@@ -60,11 +65,13 @@ int main(int argc, char** argv) {
         loom::optim::AdamWOptions{.lr = cfg.get<double>("probe.optimizer_lr")}));
     at::manual_seed(rt.rank_seed());  // dropout differs per rank, reproducibly
     const int64_t kill_at = cfg.get<int64_t>("probe.kill_at_step");
+    const auto step_time = std::chrono::milliseconds(cfg.get<int64_t>("probe.step_ms"));
     std::FILE* losses = std::fopen(
         (rt.run_dir() / ("losses_rank" + std::to_string(rt.rank()) + ".txt")).c_str(), "a");
     loom::train::Trainer trainer(
         rt, dp, *reader, loom::train::TrainOptions::from(cfg),
         [&](const loom::data::Batch& b) {
+          std::this_thread::sleep_for(step_time);
           if (kill_at >= 0 && rt.rank() == 1 && rt.topology().generation == 1) {
             // Counted by the calls: each step runs the loss once (one micro-batch).
             static int64_t calls = 0;
@@ -84,5 +91,13 @@ int main(int argc, char** argv) {
     rt.log().info("probe: steps {}..{} done, last loss {}", result.start_step, result.steps_done,
                   result.last_loss);
     std::fclose(losses);
+    // The final parameters, raw bytes in named order, for bitwise comparisons between runs.
+    std::FILE* params = std::fopen(
+        (rt.run_dir() / ("params_rank" + std::to_string(rt.rank()) + ".bin")).c_str(), "wb");
+    for (const auto& p : model->named_parameters()) {
+      const at::Tensor t = p.value().detach().contiguous();
+      std::fwrite(t.data_ptr(), 1, t.nbytes(), params);
+    }
+    std::fclose(params);
   });
 }

@@ -25,6 +25,8 @@ struct RunArgs {
   bool standalone = false;
   std::string run_id = "none";
   std::string run_dir = "runs/loom-run";
+  std::string snapshot_root = "/dev/shm/loom";
+  bool no_snapshots = false;
   double grace_s = 10;
   double rendezvous_timeout_s = 120;
   double node_timeout_s = 5;
@@ -132,6 +134,7 @@ int run(RunArgs args) {
   o.max_restarts = args.max_restarts;
   o.run_id = args.run_id;
   o.run_dir = args.run_dir;
+  o.snapshot_root = args.no_snapshots ? "" : args.snapshot_root;
   const auto ms = [](double s) {
     return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
   };
@@ -180,6 +183,13 @@ void register_run(CLI::App& app, Action& action) {
       ->add_option("--run-dir", args->run_dir,
                    "logs/worker_<rank>.out go here; workers get LOOM_RUN_DIR")
       ->capture_default_str();
+  run_cmd
+      ->add_option("--snapshot-root", args->snapshot_root,
+                   "in-memory snapshots: this node's agent holds a directory under it (tmpfs) "
+                   "for the job, given to the workers as LOOM_SNAPSHOT_DIR")
+      ->capture_default_str();
+  run_cmd->add_flag("--no-snapshots", args->no_snapshots,
+                    "no in-memory snapshots: restarts resume from disk checkpoints only");
   run_cmd
       ->add_option("--grace-period", args->grace_s,
                    "seconds between SIGTERM and SIGKILL when stopping workers")

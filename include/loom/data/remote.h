@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "loom/data/dataset.h"
 #include "loom/error.h"
@@ -49,6 +50,8 @@ struct RemoteOptions {
   // https: the CA bundle to trust instead of the system's (a test's own certificate); empty:
   // the system's.
   std::string ca_file;
+  // Extra request headers, "Name: value" (a job token for the agents' snapshot servers).
+  std::vector<std::string> headers;
 };
 
 // A remote request that failed for good: the URL, the HTTP status of the last attempt (0 when

@@ -8,9 +8,10 @@
 //          metrics (metrics.jsonl, progress line), eval every N steps,
 //          an async checkpoint every N steps whose copy overlaps the next step's compute.
 //
-// fit() first resumes from the newest committed checkpoint in <run_dir>/ckpt (model, optimizer
-// shards, reader position, RNG, step), at the same or another world size, so a job restarted
-// by `loom run` continues where it stopped. SIGTERM (what `loom run` sends to stop a job)
+// fit() first resumes from the newest committed in-memory snapshot (under `loom run`) or
+// checkpoint in <run_dir>/ckpt, whichever is newer (model, optimizer shards, reader position,
+// RNG, step), at the same or another world size, so a job restarted by `loom run` continues
+// where it stopped. SIGTERM (what `loom run` sends to stop a job)
 // finishes the current step, saves, and returns. docs/training.md.
 #pragma once
 
@@ -70,6 +71,13 @@ struct TrainOptions {
   int64_t eval_every = 0;        // Callbacks::on_eval every this many steps; 0 = never
   int64_t checkpoint_every = 0;  // async checkpoint every this many steps; 0 = only at the end
   int keep_last = 3;             // committed checkpoints kept (plus none kept by step)
+  // In-memory snapshots (docs/checkpoint.md): every this many steps the whole training state is
+  // also saved into the node's memory that the `loom run` agent holds (Topology::snapshot_dir),
+  // as a checkpoint of one step kept; a restart resumes from the newest snapshot that every
+  // rank sees when it is at least as new as the newest checkpoint. A snapshot due while the
+  // previous one is still being written on some rank is skipped, never waited for. 0: none;
+  // without a snapshot directory (not under `loom run`): none.
+  int64_t snapshot_every = 1;
   bool overlap_checkpoint_copy = true;  // copy the state during the next step's compute
   NonFinite on_non_finite = NonFinite::kStop;
   LossScaling loss_scaling;    // off by default; for fp16 parameters
@@ -118,6 +126,9 @@ struct StepInfo {
 };
 
 struct Callbacks {
+  // Once fit() has resumed (or found nothing to resume), before the first step: `step` is the
+  // next step's index (0 for a fresh run). Every rank calls it.
+  std::function<void(int64_t step)> on_start;
   std::function<void(int64_t step)> on_eval;              // after step `step` (every rank calls it)
   std::function<void(const StepInfo& info)> on_step_end;  // after every step
 };
