@@ -37,8 +37,8 @@ std::string SnapshotMemory::owner_name(int pid) {
 SnapshotMemory::SnapshotMemory(const fs::path& root) {
   std::error_code ec;
   fs::create_directories(root, ec);
-  LOOM_CHECK(!ec, IoError, "cannot create the snapshot memory ", root.string(), ": ",
-             ec.message(), "; pass --snapshot-root on a tmpfs you can write, or --no-snapshots");
+  LOOM_CHECK(!ec, IoError, "cannot create the snapshot memory ", root.string(), ": ", ec.message(),
+             "; pass --snapshot-root on a tmpfs you can write, or --no-snapshots");
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
     int pid = 0;
@@ -49,8 +49,8 @@ SnapshotMemory::SnapshotMemory(const fs::path& root) {
   }
   dir_ = root / owner_name(static_cast<int>(::getpid()));
   fs::create_directories(dir_, ec);
-  LOOM_CHECK(!ec, IoError, "cannot create the snapshot memory ", dir_.string(), ": ",
-             ec.message(), "; pass --snapshot-root on a tmpfs you can write, or --no-snapshots");
+  LOOM_CHECK(!ec, IoError, "cannot create the snapshot memory ", dir_.string(), ": ", ec.message(),
+             "; pass --snapshot-root on a tmpfs you can write, or --no-snapshots");
 }
 
 SnapshotMemory::~SnapshotMemory() {

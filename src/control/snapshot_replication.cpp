@@ -97,16 +97,15 @@ struct SnapshotReplication::Impl {
       res.status = 404;
       return;
     }
-    res.set_content_provider(
-        static_cast<size_t>(st.st_size), "application/octet-stream",
-        [fd](size_t offset, size_t length, httplib::DataSink& sink) {
-          std::string buffer(std::min<size_t>(length, size_t{1} << 20), '\0');
-          const ssize_t n = ::pread(fd->get(), buffer.data(), buffer.size(),
-                                    static_cast<off_t>(offset));
-          if (n <= 0) return false;
-          sink.write(buffer.data(), static_cast<size_t>(n));
-          return true;
-        });
+    res.set_content_provider(static_cast<size_t>(st.st_size), "application/octet-stream",
+                             [fd](size_t offset, size_t length, httplib::DataSink& sink) {
+                               std::string buffer(std::min<size_t>(length, size_t{1} << 20), '\0');
+                               const ssize_t n = ::pread(fd->get(), buffer.data(), buffer.size(),
+                                                         static_cast<off_t>(offset));
+                               if (n <= 0) return false;
+                               sink.write(buffer.data(), static_cast<size_t>(n));
+                               return true;
+                             });
   }
 
   json fetch_index(const std::string& url) const {
@@ -194,31 +193,34 @@ SnapshotReplication::SnapshotReplication(fs::path dir, const std::string& addres
   impl->dir = std::move(dir);
   impl->token = std::move(token);
   impl->interval = interval;
-  data::RemoteOptions remote{.attempts = 3, .backoff_s = 0.05, .backoff_max_s = 0.5,
-                             .connect_timeout_s = 2, .stall_timeout_s = 10};
-  if (!impl->token.empty()) remote.headers.push_back(std::string(kTokenHeader) + ": " + impl->token);
+  data::RemoteOptions remote{.attempts = 3,
+                             .backoff_s = 0.05,
+                             .backoff_max_s = 0.5,
+                             .connect_timeout_s = 2,
+                             .stall_timeout_s = 10};
+  if (!impl->token.empty())
+    remote.headers.push_back(std::string(kTokenHeader) + ": " + impl->token);
   impl->client = std::make_unique<data::RemoteClient>(remote);
   if (!impl->token.empty()) {
-    impl->server.set_pre_routing_handler([impl](const httplib::Request& req,
-                                                httplib::Response& res) {
-      if (req.get_header_value(kTokenHeader) == impl->token) {
-        return httplib::Server::HandlerResponse::Unhandled;
-      }
-      res.status = 403;
-      return httplib::Server::HandlerResponse::Handled;
-    });
+    impl->server.set_pre_routing_handler(
+        [impl](const httplib::Request& req, httplib::Response& res) {
+          if (req.get_header_value(kTokenHeader) == impl->token) {
+            return httplib::Server::HandlerResponse::Unhandled;
+          }
+          res.status = 403;
+          return httplib::Server::HandlerResponse::Handled;
+        });
   }
   impl->server.Get("/index", [impl](const httplib::Request&, httplib::Response& res) {
     res.set_content(impl->index().dump(), "application/json");
   });
-  impl->server.Get(R"(/files/([^/]+)/([^/]+))",
-                   [impl](const httplib::Request& req, httplib::Response& res) {
-                     impl->serve_file(req, res);
-                   });
+  impl->server.Get(
+      R"(/files/([^/]+)/([^/]+))",
+      [impl](const httplib::Request& req, httplib::Response& res) { impl->serve_file(req, res); });
   impl->host = address;
   impl->port = impl->server.bind_to_any_port(address);
-  LOOM_CHECK(impl->port > 0, IoError, "the snapshot replication server cannot listen on ",
-             address, "; start `loom run` with --no-snapshots to run without snapshots");
+  LOOM_CHECK(impl->port > 0, IoError, "the snapshot replication server cannot listen on ", address,
+             "; start `loom run` with --no-snapshots to run without snapshots");
   impl->serve_thread = std::thread([impl] { impl->server.listen_after_bind(); });
   impl->pull_thread = std::thread([impl] { impl->pull_loop(); });
 }

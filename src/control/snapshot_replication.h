@@ -24,11 +24,11 @@
 namespace loom::control {
 
 struct ReplicationStats {
-  int64_t steps = 0;        // steps of which this node completed its copy
-  int64_t files = 0;        // files downloaded
-  uint64_t bytes = 0;       // bytes downloaded
-  int64_t newest_step = -1; // the newest step copied
-  std::string last_error;   // why the last round failed ("" after a round that did not)
+  int64_t steps = 0;         // steps of which this node completed its copy
+  int64_t files = 0;         // files downloaded
+  uint64_t bytes = 0;        // bytes downloaded
+  int64_t newest_step = -1;  // the newest step copied
+  std::string last_error;    // why the last round failed ("" after a round that did not)
 };
 
 // Thread-safe. The destructor stops the server and the pull.

@@ -9,7 +9,6 @@
 #include <atomic>
 #include <cmath>
 #include <csignal>
-#include <deque>
 #include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -164,7 +163,6 @@ struct Trainer::Impl {
   Series disk{"checkpoint"};
   Series snapshots{"snapshot"};
   bool snapshot_busy = false;  // some rank's last snapshot was still being written (all agree)
-  std::deque<int64_t> committed_snapshots;  // the newest snapshots_kept() committed, oldest first
   std::unique_ptr<metrics::MetricsLogger> metrics;
   int64_t step = 0;  // the next step's index = steps completed
   int64_t skipped = 0;
@@ -209,15 +207,13 @@ struct Trainer::Impl {
     if (options.snapshot_every <= 0 || memory.empty()) return;
     // Files on tmpfs (O_DIRECT does not apply there). Every node's ranks write into their own
     // node's directory, rank 0 commits in its node's, and the agents copy each node's files to
-    // the next node (control/snapshot_replication.h). One snapshot is kept and at most one is
-    // in flight; with several nodes two are kept, so that a node lost while its last snapshot
-    // was being copied leaves the one before whole on the next node (docs/checkpoint.md,
-    // "In-memory snapshots").
+    // the next node (control/snapshot_replication.h). Retention is the Trainer's, on every node
+    // (drop_older_snapshots), so that the Checkpointer keeps every committed step.
     snapshots.checkpointer = std::make_unique<ckpt::Checkpointer>(
         rt.store(), ckpt::CheckpointerOptions{.dir = memory,
                                               .rank = rt.rank(),
                                               .world_size = rt.world_size(),
-                                              .keep_last = snapshots_kept(),
+                                              .keep_last = 0,
                                               .timeout = options.checkpoint_timeout,
                                               .direct_io = false,
                                               .store_prefix = "snapshot"});
@@ -373,25 +369,25 @@ struct Trainer::Impl {
     series.pending = {};
     if (skipped) return;
     metrics->on_checkpoint_committed(committed);
-    if (&series == &snapshots) drop_older_snapshot_files(committed);
+    if (&series == &snapshots) drop_older_snapshots(committed);
   }
 
-  int snapshots_kept() const {
-    return rt.world_size() > std::max(1, rt.topology().local_world_size) ? 2 : 1;
-  }
-
-  // Retention of a node whose snapshot directory rank 0 does not write to: rank 0's
-  // Checkpointer keeps the newest snapshots_kept() steps in its own node's directory, and the
-  // first rank of every other node removes its node's files of the steps before those.
-  void drop_older_snapshot_files(int64_t committed) {
-    committed_snapshots.push_back(committed);
-    while (static_cast<int>(committed_snapshots.size()) > snapshots_kept())
-      committed_snapshots.pop_front();
-    if (rt.local_rank() != 0 || rt.rank() - rt.local_rank() == 0) return;
+  // Retention of the snapshots, by the first rank of every node in its node's directory after
+  // each commit: the newest committed step and the newest step whole on this node (all ranks'
+  // files: with several nodes, the previous node's arrive by replication a little after the
+  // commit) are kept, with the step in flight; every older step is removed. So a node holds at
+  // most two snapshots and one being written, and losing the previous node never leaves it
+  // without a whole one once one was copied.
+  void drop_older_snapshots(int64_t committed) {
+    if (rt.local_rank() != 0) return;
+    int64_t keep = committed;
+    for (const ckpt::CheckpointInfo& info : snapshots.checkpointer->list()) {
+      if (info.step <= committed && holds_every_file(info)) keep = info.step;
+    }
     std::error_code ec;
     for (const auto& entry : std::filesystem::directory_iterator(rt.topology().snapshot_dir, ec)) {
       const std::optional<int64_t> old = ckpt::parse_step_dir_name(entry.path().filename());
-      if (old && *old < committed_snapshots.front()) std::filesystem::remove_all(entry.path(), ec);
+      if (old && *old < keep) std::filesystem::remove_all(entry.path(), ec);
     }
   }
 

@@ -4,6 +4,7 @@
 // are counted and printed. The worker is tests/programs/train_probe.cpp.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/types.h>
 
 #include <chrono>
 #include <fstream>
@@ -25,24 +26,6 @@ using testing::TempDir;
 
 const std::string kLoom = LOOM_BINARY_DIR "/tools/loom/loom";
 const std::string kProbe = LOOM_BINARY_DIR "/tests/loom_train_probe";
-
-// The pids of `parent`'s children now (from /proc/<pid>/stat: "pid (comm) state ppid ...").
-std::vector<pid_t> children_of(pid_t parent) {
-  std::vector<pid_t> out;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream in(entry.path() / "stat");
-    std::string stat((std::istreambuf_iterator<char>(in)), {});
-    const size_t paren = stat.rfind(')');
-    if (paren == std::string::npos) continue;
-    std::istringstream rest(stat.substr(paren + 1));
-    std::string state;
-    pid_t ppid = 0;
-    if (rest >> state >> ppid && ppid == parent && state != "Z") out.push_back(std::stoi(name));
-  }
-  return out;
-}
 
 // Lines of a losses file: one per step a rank finished, steps redone after a restart included.
 int lines_of(const fs::path& file) {
@@ -117,9 +100,9 @@ TEST_F(Chaos, RandomWorkerKillsLeaveTheFinalParametersBitwiseTheFailureFreeRuns)
     // then a random moment within the next steps (inside a step, a save, a commit...).
     if (kills == kKills || lines_of(progress) < lines_at_kill + 2) continue;
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 120));
-    const std::vector<pid_t> workers = children_of(job.pid());
+    const std::vector<int> workers = testing::child_pids(job.pid());
     if (workers.size() != 2) continue;  // between generations
-    const pid_t victim = workers[rng() % workers.size()];
+    const int victim = workers[rng() % workers.size()];
     if (::kill(victim, SIGKILL) == 0) {
       ++kills;
       lines_at_kill = lines_of(progress);
@@ -144,12 +127,14 @@ TEST_F(Chaos, RandomWorkerKillsLeaveTheFinalParametersBitwiseTheFailureFreeRuns)
   int from_snapshot = 0;
   std::istringstream lines(output);
   for (std::string line; std::getline(lines, line);) {
-    if (line.rfind("[rank 0]", 0) == 0 && line.find("resumed from snapshot step") != std::string::npos)
+    if (line.rfind("[rank 0]", 0) == 0 &&
+        line.find("resumed from snapshot step") != std::string::npos)
       ++from_snapshot;
   }
-  std::printf("[ chaos ] %d kills, %d resumed from a snapshot, %d steps recomputed (%.2f per "
-              "failure)\n",
-              kills, from_snapshot, recomputed, static_cast<double>(recomputed) / kills);
+  std::printf(
+      "[ chaos ] %d kills, %d resumed from a snapshot, %d steps recomputed (%.2f per "
+      "failure)\n",
+      kills, from_snapshot, recomputed, static_cast<double>(recomputed) / kills);
 }
 
 }  // namespace

@@ -22,8 +22,8 @@ namespace {
 namespace fs = std::filesystem;
 
 // `bytes` random bytes at dir/step/name.
-std::string put(const fs::path& dir, const std::string& step, const std::string& name,
-                size_t bytes, unsigned seed) {
+std::string put(const fs::path& dir, const std::string& step, const std::string& name, size_t bytes,
+                unsigned seed) {
   std::mt19937 rng(seed);
   std::string data(bytes, '\0');
   for (char& c : data) c = static_cast<char>(rng());
