@@ -14,17 +14,7 @@ build=${LOOM_BUILD_DIR:-build}
 tools/install-deps.sh
 LOOM_BUILD_DIR=$build LOOM_TARGETS="gpt loom_cli" tools/build.sh -DLOOM_WITH_CUDA=OFF
 loom=$build/tools/loom/loom
-if [ ! -f data/kjv-val-bpe/manifest.json ]; then
-  mkdir -p data
-  # bible prints each chapter as two paragraphs: its title ("Genesis 1") and its verses.
-  bible gen1:1-rev22:21 | awk -v train=data/kjv-train.txt -v val=data/kjv-val.txt '
-    BEGIN { RS = ""; ORS = "\n\n" }
-    { chapter = int((NR + 1) / 2); print > ((chapter % 25 == 0) ? val : train) }'
-  [ -f data/kjv-train-bpe/manifest.json ] ||
-    "$loom" data build text --input data/kjv-train.txt --vocab-size 4096 --out data/kjv-train-bpe
-  "$loom" data build text --input data/kjv-val.txt --tokenizer data/kjv-train-bpe/tokenizer.model \
-    --out data/kjv-val-bpe
-fi
+LOOM_BUILD_DIR=$build tools/kjv-data.sh
 # Two data-parallel ranks; a fresh run (the Trainer would otherwise resume from the run
 # directory's newest checkpoint, which is what a restarted job wants).
 rm -rf runs/gpt-tiny

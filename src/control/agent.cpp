@@ -221,9 +221,10 @@ class Agent {
           round->world_size());
       const Outcome outcome = run_generation(*round);
       if (outcome.exit_code >= 0) return linger(outcome.exit_code);
-      // The generation ended: back off (longer after repeated failures), then re-join.
-      ++failures_seen;
+      // The generation ended: re-join, at once the first time (a fast recovery), then after a
+      // back-off that grows with repeated failures.
       std::this_thread::sleep_for(std::min(milliseconds(200) * failures_seen, milliseconds(3000)));
+      ++failures_seen;
     }
   }
 
@@ -471,7 +472,22 @@ class Agent {
         default:
           break;
       }
-      std::this_thread::sleep_for(options_.heartbeat_interval);
+      wait_for_exit_or_beat(workers);
+    }
+  }
+
+  // Until the next heartbeat is due, looks at the workers every 20 ms and returns early when
+  // one has exited (or a stop signal came): a failure is reported at once, not up to a
+  // heartbeat interval later, which is most of a fast recovery's time.
+  void wait_for_exit_or_beat(std::vector<Worker>& workers) {
+    const auto beat = Clock::now() + options_.heartbeat_interval;
+    while (Clock::now() < beat && g_stop_signal.load() == 0) {
+      for (Worker& w : workers) {
+        if (!w.status && (w.status = w.process.wait_for(milliseconds(0)))) return;
+      }
+      std::this_thread::sleep_for(std::min(
+          milliseconds(20),
+          std::chrono::duration_cast<milliseconds>(beat - Clock::now()) + milliseconds(1)));
     }
   }
 

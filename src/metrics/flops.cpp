@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "loom/error.h"
+#include "util/files.h"
 
 namespace loom::metrics {
 namespace {
@@ -103,6 +105,27 @@ PeakFlops peak_flops(c10::Device device) {
   PeakFlops measured = measure_cuda_bf16_matmul_peak(index, {});
   measured.source += " (GPU '" + name + "' is not in the datasheet table)";
   return measured;
+}
+
+PeakFlops peak_flops(c10::Device device, const std::filesystem::path& cache) {
+  const nlohmann::json key = {{"device", device.str()}, {"threads", at::get_num_threads()}};
+  try {
+    const nlohmann::json j = nlohmann::json::parse(util::read_file(cache));
+    if (j.at("key") == key) {
+      return {j.at("flops_per_second").get<double>(), j.at("source").get<std::string>()};
+    }
+  } catch (const std::exception&) {
+    // none yet, another device or thread count, or unreadable: measure
+  }
+  const PeakFlops peak = peak_flops(device);
+  try {
+    const nlohmann::json j = {
+        {"key", key}, {"flops_per_second", peak.flops_per_second}, {"source", peak.source}};
+    util::write_file_atomic(cache, j.dump() + "\n");
+  } catch (const std::exception&) {
+    // a read-only run directory: measured again next time
+  }
+  return peak;
 }
 
 }  // namespace loom::metrics

@@ -530,11 +530,12 @@ struct Trainer::Impl {
   FitResult fit() {
     StopSignals signals;
     metrics = std::make_unique<metrics::MetricsLogger>(
-        rt, metrics::MetricsOptions{.flops_per_token = options.flops_per_token,
-                                    .peak = options.flops_per_token > 0
-                                                ? metrics::peak_flops(rt.device())
-                                                : metrics::PeakFlops{},
-                                    .log_every = options.log_every});
+        rt, metrics::MetricsOptions{
+                .flops_per_token = options.flops_per_token,
+                .peak = options.flops_per_token > 0
+                            ? metrics::peak_flops(rt.device(), rt.run_dir() / "peak_flops.json")
+                            : metrics::PeakFlops{},
+                .log_every = options.log_every});
     resolve_schedule();
     open_checkpointers();
     FitResult result;

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -201,6 +203,24 @@ void Subprocess::reap_blocking() {
     LOOM_CHECK_SYS(done, "waiting for pid ", pid_);
   }
   status_ = decode(wait_status);
+}
+
+std::vector<pid_t> child_pids(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(entry.path() / "stat");
+    const std::string stat((std::istreambuf_iterator<char>(in)), {});
+    // "pid (comm) state ppid ...": the command may hold spaces, so fields follow the last ')'.
+    const size_t paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::istringstream rest(stat.substr(paren + 1));
+    std::string state;
+    pid_t ppid = 0;
+    if (rest >> state >> ppid && ppid == parent && state != "Z") out.push_back(std::stoi(name));
+  }
+  return out;
 }
 
 }  // namespace loom::util

@@ -64,4 +64,8 @@ class Subprocess {
   std::optional<ExitStatus> status_;
 };
 
+// The pids of `parent`'s living children now (read from /proc): e.g. the workers of a `loom run`
+// agent, for a test or a benchmark to kill one of them, or all of them with the agent.
+std::vector<pid_t> child_pids(pid_t parent);
+
 }  // namespace loom::util

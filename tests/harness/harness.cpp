@@ -25,7 +25,6 @@
 #include <iostream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include "loom/error.h"
@@ -235,24 +234,6 @@ void expect_all_ok(const std::vector<RankOutcome>& outcomes) {
   for (const RankOutcome& outcome : outcomes) {
     if (!outcome.ok) ADD_FAILURE() << "rank " << outcome.rank << ": " << outcome.error;
   }
-}
-
-std::vector<int> child_pids(int parent) {
-  std::vector<int> out;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream in(entry.path() / "stat");
-    const std::string stat((std::istreambuf_iterator<char>(in)), {});
-    // "pid (comm) state ppid ...": the command may hold spaces, so fields follow the last ')'.
-    const size_t paren = stat.rfind(')');
-    if (paren == std::string::npos) continue;
-    std::istringstream rest(stat.substr(paren + 1));
-    std::string state;
-    int ppid = 0;
-    if (rest >> state >> ppid && ppid == parent && state != "Z") out.push_back(std::stoi(name));
-  }
-  return out;
 }
 
 ProgramResult run_program(const std::vector<std::string>& argv,

@@ -80,10 +80,6 @@ struct ProgramResult {
 ProgramResult run_program(const std::vector<std::string>& argv,
                           const std::filesystem::path& scratch_dir);
 
-// The pids of `parent`'s living children now (read from /proc): e.g. the workers of a
-// `loom run` agent, to kill one of them, or all of them with the agent (a node lost).
-std::vector<int> child_pids(int parent);
-
 #ifdef LOOM_BINARY_DIR
 // Runs the built `loom` tool with `args` in `dir` (test binaries know the build directory).
 inline ProgramResult run_loom(const TempDir& dir, std::vector<std::string> args) {

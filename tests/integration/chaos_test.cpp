@@ -100,9 +100,9 @@ TEST_F(Chaos, RandomWorkerKillsLeaveTheFinalParametersBitwiseTheFailureFreeRuns)
     // then a random moment within the next steps (inside a step, a save, a commit...).
     if (kills == kKills || lines_of(progress) < lines_at_kill + 2) continue;
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 120));
-    const std::vector<int> workers = testing::child_pids(job.pid());
+    const std::vector<pid_t> workers = util::child_pids(job.pid());
     if (workers.size() != 2) continue;  // between generations
-    const int victim = workers[rng() % workers.size()];
+    const pid_t victim = workers[rng() % workers.size()];
     if (::kill(victim, SIGKILL) == 0) {
       ++kills;
       lines_at_kill = lines_of(progress);

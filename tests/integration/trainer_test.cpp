@@ -353,7 +353,7 @@ TEST_F(Trainer, ALostNodesSnapshotIsResumedFromTheCopyOnTheOtherNode) {
   }
   ASSERT_GE(losses("lost", 0).size(), 10u) << util::read_file(dir_ / "node0.out");
   // Node 1 is lost: its agent (with its memory and its server) and its workers die at once.
-  for (int pid : testing::child_pids(node1.pid())) ::kill(pid, SIGKILL);
+  for (int pid : util::child_pids(node1.pid())) ::kill(pid, SIGKILL);
   node1.signal(SIGKILL);
   const int steps_before = static_cast<int>(losses("lost", 0).size());
   const auto status = node0.wait_for(std::chrono::seconds(120));

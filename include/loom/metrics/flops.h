@@ -12,6 +12,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
@@ -96,5 +97,12 @@ PeakFlops measure_cuda_bf16_matmul_peak(int index, const MatmulPeakOptions& opti
 // or, for a GPU not in the table, the measured bf16 matmul peak, with a source that says so
 // ("measured-cuda-bf16-matmul (GPU 'Tesla T4' is not in the datasheet table)").
 PeakFlops peak_flops(c10::Device device);
+
+// peak_flops, measured once per job: the figure is kept in `cache` (a JSON file, e.g. in the run
+// directory) with the device and torch's intra-op thread count, and read from it while they are
+// the same, so that a restarted worker does not spend a second measuring again. A missing or
+// unreadable cache is measured and (re)written, atomically; a cache that cannot be written is
+// not an error (the figure is measured again next time).
+PeakFlops peak_flops(c10::Device device, const std::filesystem::path& cache);
 
 }  // namespace loom::metrics

@@ -354,7 +354,8 @@ TEST_P(TrainerGroups, ControlTrafficNeverReachesTheTensorGroup) {
       if (result.start_step > 0) expected.gathers(expected_tensor);  // load_state re-gathers
       for (int64_t s = result.start_step; s < result.steps_done; ++s) {
         expected.step(expected_tensor);
-        expected_control.push_back({"all_reduce", "Double", 2});  // the loss and stop flag
+        // The loss, the stop flag and whether a snapshot is in flight.
+        expected_control.push_back({"all_reduce", "Double", 3});
         if ((s + 1) % 3 == 0) expected_control.push_back({"all_reduce", "Double", 2});
       }
       return result;

@@ -1,0 +1,227 @@
+// bench_recovery: how fast a job under `loom run` is back at work after a worker is SIGKILLed,
+// with in-memory snapshots every step (Loom's default) beside the same job resuming from its
+// disk checkpoints alone (train.snapshot_every=0), on the GPT example (its tiny config,
+// 1.3M parameters, KJV data from tools/kjv-data.sh) at W = 2 processes on this host.
+//
+// Each round runs both sides, in an order that alternates between rounds, and kills the same
+// worker (rank 1) once rank 0 has logged the same step on both sides (a random step per round
+// in [--kill-min, --kill-max]). From rank 0's metrics.jsonl (its "time" and "session" per
+// step) and the time of the kill:
+//   recovery/first_step   seconds from the kill to the first step the restarted job completed
+//   recovery/regain       seconds from the kill until the job completed the killed step again
+//                         (the restart plus the recomputation of the work lost)
+//   recovery/recomputed   steps lost: the killed step minus the step resumed from
+// Median and spread (max - min) over the rounds; ratio = baseline / Loom (above 1: Loom is
+// better).
+//
+//   tools/kjv-data.sh && build/benchmarks/bench_recovery            3 rounds, table
+//   build/benchmarks/bench_recovery --rounds=5 --json                JSON rows
+#include <signal.h>
+#include <sys/types.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "bench_report.h"
+#include "loom/error.h"
+#include "util/subprocess.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct Settings {
+  std::string loom = LOOM_BINARY_DIR "/tools/loom/loom";
+  std::string gpt = LOOM_BINARY_DIR "/examples/gpt";
+  std::string config = LOOM_SOURCE_DIR "/examples/gpt/configs/tiny.toml";
+  std::string data = LOOM_SOURCE_DIR "/data";  // kjv-train-bpe and kjv-val-bpe
+  std::string work;                            // default: $TMPDIR/loom-bench-recovery-<pid>
+  int rounds = 3;
+  int kill_min = 20, kill_max = 30;  // rank 0's logged step at which rank 1 is killed
+  int after = 8;                     // steps trained after the killed one
+  int checkpoint_every = 10;         // both sides' disk checkpoints
+  bool json = false;
+};
+
+double now_unix() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::vector<json> metrics_of(const fs::path& run) {
+  std::vector<json> out;
+  std::ifstream in(run / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    // The last line may be half written while the job runs.
+    json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded()) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+struct Outcome {
+  double first_step_s = 0;
+  double regain_s = 0;
+  double recomputed = 0;
+};
+
+// One job with a kill at rank 0's step `kill_at`.
+Outcome run_once(const Settings& s, bool snapshots, int kill_at, const fs::path& run) {
+  fs::remove_all(run);
+  fs::create_directories(run.parent_path());
+  const std::vector<std::string> argv = {
+      s.loom,
+      "run",
+      "--nproc-per-node",
+      "2",
+      "--max-restarts",
+      "1",
+      "--run-dir",
+      run.string(),
+      "--",
+      s.gpt,
+      "--config=" + s.config,
+      "--run.dir=" + run.string(),
+      "--data.train=" + s.data + "/kjv-train-bpe",
+      "--data.val=" + s.data + "/kjv-val-bpe",
+      "--train.steps=" + std::to_string(kill_at + s.after),
+      "--train.checkpoint_every=" + std::to_string(s.checkpoint_every),
+      "--train.snapshot_every=" + std::string(snapshots ? "1" : "0"),
+      "--train.warmup_steps=5",
+      "--train.eval_every=1000000",
+      "--train.log_every=1000000",
+      "--sample.tokens=0",
+      "--eval.batches=1"};
+  auto job = loom::util::Subprocess::spawn({.argv = argv, .output = run.string() + ".out"});
+  double killed_at = 0;
+  for (;;) {
+    const auto status = job.wait_for(std::chrono::milliseconds(20));
+    LOOM_CHECK(!status, loom::Error, "the job ended before the kill: see ", run.string(), ".out");
+    const std::vector<json> m = metrics_of(run);
+    if (m.empty() || m.back().at("step").get<int>() < kill_at) continue;
+    const std::vector<pid_t> workers = loom::util::child_pids(job.pid());
+    if (workers.size() != 2) continue;
+    killed_at = now_unix();
+    ::kill(std::max(workers[0], workers[1]), SIGKILL);  // the later spawned: rank 1
+    break;
+  }
+  const auto status = job.wait_for(std::chrono::minutes(10));
+  LOOM_CHECK(status && status->ok(), loom::Error, "the job failed: see ", run.string(), ".out");
+  const std::vector<json> m = metrics_of(run);
+  const int64_t killed_session = m.front().at("session").get<int64_t>();
+  int64_t killed_step = 0, resumed = -1;
+  Outcome o;
+  for (const json& line : m) {
+    const int64_t step = line.at("step").get<int64_t>();
+    const double t = line.at("time").get<double>() - killed_at;
+    if (line.at("session").get<int64_t>() == killed_session) {
+      killed_step = std::max(killed_step, step);
+      continue;
+    }
+    if (resumed < 0) {
+      resumed = step;
+      o.first_step_s = t;
+    }
+    if (step >= killed_step + 1 && o.regain_s == 0) o.regain_s = t;  // the killed step, again
+  }
+  LOOM_CHECK(resumed >= 0, loom::Error, "no step after the restart in ", run.string());
+  o.recomputed = static_cast<double>(killed_step + 1 - resumed);
+  return o;
+}
+
+struct Stats {
+  double median = 0, spread = 0;
+};
+
+Stats stats_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return {n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2, v.back() - v.front()};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{"Recovery of a killed worker under `loom run`: in-memory snapshots beside disk "
+               "checkpoints alone, on the GPT example at W = 2."};
+  app.add_option("--rounds", s.rounds, "rounds, each running both sides")->capture_default_str();
+  app.add_option("--kill-min", s.kill_min, "the earliest step at which rank 1 is killed")
+      ->capture_default_str();
+  app.add_option("--kill-max", s.kill_max, "the latest")->capture_default_str();
+  app.add_option("--after", s.after, "steps trained after the killed one")->capture_default_str();
+  app.add_option("--checkpoint-every", s.checkpoint_every, "disk checkpoints, both sides")
+      ->capture_default_str();
+  app.add_option("--data", s.data, "the directory with kjv-train-bpe and kjv-val-bpe")
+      ->capture_default_str();
+  app.add_option("--config", s.config, "the GPT config")->capture_default_str();
+  app.add_option("--work-dir", s.work, "where the runs go");
+  app.add_flag("--json", s.json, "one JSON object per row");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    LOOM_CHECK(fs::exists(fs::path(s.data) / "kjv-val-bpe" / "manifest.json"),
+               loom::InvalidArgument, "no KJV datasets in ", s.data,
+               ": run tools/kjv-data.sh first (or pass --data)");
+    if (s.work.empty()) {
+      s.work = (fs::temp_directory_path() / ("loom-bench-recovery-" + std::to_string(::getpid())))
+                   .string();
+    }
+    std::mt19937 rng(7);
+    std::vector<double> first[2], regain[2], recomputed[2];  // [0] Loom, [1] baseline
+    for (int round = 0; round < s.rounds; ++round) {
+      const int kill_at = s.kill_min + static_cast<int>(rng() % (s.kill_max - s.kill_min + 1));
+      for (int k = 0; k < 2; ++k) {
+        const int side = (round + k) % 2;  // alternate which side runs first
+        const Outcome o = run_once(s, side == 0, kill_at, fs::path(s.work) / "run");
+        first[side].push_back(o.first_step_s);
+        regain[side].push_back(o.regain_s);
+        recomputed[side].push_back(o.recomputed);
+        if (!s.json) {
+          std::fprintf(stderr, "round %d, %s: killed at step %d: first step after %.2f s, back "
+                       "at the killed step after %.2f s, %.0f steps recomputed\n",
+                       round, side == 0 ? "snapshots" : "disk only", kill_at, o.first_step_s,
+                       o.regain_s, o.recomputed);
+        }
+      }
+    }
+    fs::remove_all(s.work);
+    const std::string baseline =
+        "disk checkpoints every " + std::to_string(s.checkpoint_every) + " steps, no snapshots";
+    std::vector<loom::bench::Row> rows;
+    auto add = [&](const std::string& name, const std::vector<double>* values, const char* unit) {
+      const Stats l = stats_of(values[0]), b = stats_of(values[1]);
+      rows.push_back({"bench_recovery", name, l.median, b.median, baseline, unit,
+                      l.median > 0 ? b.median / l.median : 0,
+                      {{"loom_spread", l.spread}, {"baseline_spread", b.spread},
+                       {"rounds", static_cast<double>(s.rounds)}}});
+    };
+    add("recovery/first_step/gpt_tiny/W2", first, "s");
+    add("recovery/regain/gpt_tiny/W2", regain, "s");
+    add("recovery/recomputed/gpt_tiny/W2", recomputed, "steps");
+    if (s.json) {
+      for (const auto& r : rows) loom::bench::print_json(r);
+    } else {
+      std::printf("bench_recovery: GPT tiny at W = 2, rank 1 SIGKILLed at a step in [%d, %d], "
+                  "%d rounds, median (spread)\n",
+                  s.kill_min, s.kill_max, s.rounds);
+      std::printf("%-36s %16s %16s  %s\n", "case", "loom (snapshots)", "baseline", "ratio");
+      for (const auto& r : rows) {
+        std::printf("%-36s %9.2f (%4.2f) %9.2f (%4.2f)  %.2fx %s\n", r.case_name.c_str(), r.loom,
+                    r.extra.at("loom_spread"), r.baseline, r.extra.at("baseline_spread"), r.ratio,
+                    r.unit.c_str());
+      }
+      std::printf("baseline: %s\n", baseline.c_str());
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_recovery: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
