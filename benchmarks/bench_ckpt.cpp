@@ -49,6 +49,7 @@ struct Settings {
   std::string dir;  // default: $TMPDIR/loom-bench-ckpt-<pid>
   bool json = false;
   bool verbose = false;  // the checkpointer's debug log: time per phase of each save
+  int io_threads = loom::ckpt::CheckpointerOptions{}.io_threads;  // Loom's writes/reads in flight
 };
 
 int64_t parse_size(const std::string& text) {
@@ -207,7 +208,8 @@ int run(const Settings& s) {
     const auto raw = dir / loom::detail::concat("raw_", round, ".bin");
     // A new Checkpointer each round: its first save allocates and touches the staging memory
     // (cold); the second is the steady state a training loop sees on every later save (warm).
-    loom::ckpt::Checkpointer ckpt(store, {.dir = dir / "loom", .keep_last = 1});
+    loom::ckpt::Checkpointer ckpt(
+        store, {.dir = dir / "loom", .keep_last = 1, .io_threads = s.io_threads});
     auto start = Clock::now();
     auto first = ckpt.save(++step, state);
     cold_stall_s.s.push_back(seconds_since(start));
@@ -264,10 +266,10 @@ int run(const Settings& s) {
   };
   if (!s.json) {
     std::printf(
-        "bench_ckpt: %s in %d float32 tensors, 1 rank, dir %s, %d rounds; s = median over "
-        "rounds, spread = (max - min) / median, ratio = median baseline / median loom, paired = "
-        "median [min, max] of the rounds' own ratios\n",
-        size_text.c_str(), s.tensors, dir.c_str(), s.rounds);
+        "bench_ckpt: %s in %d float32 tensors, 1 rank, %d I/O threads, dir %s, %d rounds; s = "
+        "median over rounds, spread = (max - min) / median, ratio = median baseline / median "
+        "loom, paired = median [min, max] of the rounds' own ratios\n",
+        size_text.c_str(), s.tensors, s.io_threads, dir.c_str(), s.rounds);
     std::printf("%-16s %9s %7s %7s | %9s %7s %7s  %-39s | %6s %20s %7s\n", "case", "loom s",
                 "spread", "GB/s", "base s", "spread", "GB/s", "baseline is", "ratio", "paired",
                 "target");
@@ -325,6 +327,8 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", s.rounds, "rounds; the median of each case counts")
       ->check(CLI::Range(1, 100));
   app.add_option("--dir", s.dir, "directory on the disk to measure (default: under $TMPDIR)");
+  app.add_option("--io-threads", s.io_threads, "Loom's I/O threads (writes or reads in flight)")
+      ->check(CLI::Range(1, 64));
   app.add_flag("--json", s.json, "print one JSON object per row");
   app.add_flag("--verbose", s.verbose, "log the time of each save's phases (stderr)");
   CLI11_PARSE(app, argc, argv);

@@ -8,9 +8,11 @@
 // copies on a side stream (device_copy.h), enqueued at save() and overlapping the next
 // forward/backward; the deferred copy() then only makes the compute stream wait for them.
 //
-// The writer thread hashes the pieces, writes the file under a temporary name in large writes,
-// fsyncs, renames, fsyncs the directory and runs the commit protocol (commit.h): ranks 1..W-1
-// report, rank 0 collects the reports, writes the manifest and decides.
+// The writer thread works as a pipeline over the staging buffer in file order: it hashes each
+// chunk as soon as the copy has put it in place, and hands every write_bytes block it hashed to
+// the I/O threads (io_queue.h), which write it with O_DIRECT while the next blocks are copied
+// and hashed. Then it fsyncs, renames, fsyncs the directory and runs the commit protocol
+// (commit.h): ranks 1..W-1 report, rank 0 collects the reports, writes the manifest and decides.
 #include "loom/ckpt/checkpointer.h"
 
 #include <ATen/ATen.h>
@@ -28,6 +30,7 @@
 
 #include "ckpt/commit.h"
 #include "ckpt/device_copy.h"
+#include "ckpt/io_queue.h"
 #include "ckpt/layout.h"
 #include "ckpt/manifest.h"
 #include "ckpt/reader.h"
@@ -40,6 +43,9 @@ namespace loom::ckpt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The copy publishes its progress to the writer after each block of this many bytes.
+constexpr uint64_t kCopyBlock = uint64_t{32} << 20;
 
 // The message of an exception_ptr.
 std::string what_of(const std::exception_ptr& error) {
@@ -56,7 +62,7 @@ std::string what_of(const std::exception_ptr& error) {
 
 // One save, shared by the training thread, the writer thread and the handles.
 struct SaveHandle::Job {
-  // Constant after construction.
+  // Constant once the job is queued.
   int64_t step = 0;
   FilePlan plan;
   Manifest report;  // this rank's report, hashes filled in by the writer
@@ -64,68 +70,98 @@ struct SaveHandle::Job {
   // The device-to-host copies of the CUDA pieces, enqueued by save(); null without any.
   std::shared_ptr<internal::CopyFence> fence;
 
-  // State below is protected by mutex; changed is notified when copied or finished turn true.
+  // State below is protected by mutex; changed is notified when staged, copied or finished
+  // change.
   std::mutex mutex;
   std::condition_variable changed;
-  std::vector<at::Tensor> pending;  // the tensors to copy (one per planned piece) until copied
+  std::vector<at::Tensor> pending;  // the tensors to copy (one per planned piece) until copied;
+                                    // read by the copying thread alone once copy_started
+  bool copy_started = false;
+  uint64_t staged = 0;  // staging bytes [0, staged) hold their final contents (CPU pieces)
   bool copied = false;
   std::exception_ptr copy_error;
   bool finished = false;
   bool skipped = false;
   std::exception_ptr error;
 
-  // Copies the pending tensors into staging once; later calls return at once.
+  // Copies the pending tensors into staging, in file order, publishing `staged` after each
+  // block so that the writer hashes and writes behind the copy. Once: a later call waits for
+  // the first to finish and returns.
   void copy() {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (copied) return;
-    try {
-      at::NoGradGuard no_grad;
-      uint64_t end_of_previous = 0;
-      for (size_t i = 0; i < plan.pieces.size(); ++i) {
-        const PlannedPiece& p = plan.pieces[i];
-        // Alignment padding is zeroed, so files hold nothing but the state.
-        std::memset(staging + end_of_previous, 0, p.offset - end_of_previous);
-        end_of_previous = p.offset + p.bytes;
-        const at::Tensor& src = pending[i];
-        if (src.is_cuda()) {
-          continue;  // already enqueued on the side stream by save()
-        } else if (src.device().is_cpu() && src.is_contiguous()) {
-          // memcpy in 8 MiB blocks over torch's intra-op threads: training is stalled anyway.
-          const char* from = static_cast<const char*>(src.data_ptr());
-          char* to = staging + p.offset;
-          at::parallel_for(
-              0, static_cast<int64_t>(p.bytes), int64_t{8} << 20, [&](int64_t begin, int64_t end) {
-                std::memcpy(to + begin, from + begin, static_cast<size_t>(end - begin));
-              });
-        } else {  // strided or on a device: torch copies (and moves to the CPU)
-          at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU)).copy_(src);
-        }
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      if (copy_started) {
+        changed.wait(lock, [&] { return copied; });
+        return;
       }
+      copy_started = true;
+    }
+    std::exception_ptr failure;
+    try {
+      copy_pieces();
       // The caller may change the CUDA tensors once copy() returned: later work on the compute
       // stream waits for their copies (on the GPU; the host goes on).
       if (fence) fence->order_compute_stream();
     } catch (...) {
-      copy_error = std::current_exception();
+      failure = std::current_exception();
     }
+    std::lock_guard<std::mutex> lock(mutex);
     pending.clear();
     copied = true;
+    copy_error = std::move(failure);
     changed.notify_all();
+  }
+
+  void copy_pieces() {
+    at::NoGradGuard no_grad;
+    uint64_t end_of_previous = 0;
+    for (size_t i = 0; i < plan.pieces.size(); ++i) {
+      const PlannedPiece& p = plan.pieces[i];
+      // Alignment padding is zeroed, so files hold nothing but the state.
+      std::memset(staging + end_of_previous, 0, p.offset - end_of_previous);
+      end_of_previous = p.offset + p.bytes;
+      const at::Tensor& src = pending[i];
+      if (src.is_cuda()) {
+        continue;  // already enqueued on the side stream by save()
+      } else if (src.device().is_cpu() && src.is_contiguous()) {
+        // memcpy over torch's intra-op threads (training is stalled anyway), a block at a time.
+        const char* from = static_cast<const char*>(src.data_ptr());
+        char* to = staging + p.offset;
+        for (uint64_t b = 0; b < p.bytes; b += kCopyBlock) {
+          const int64_t n = static_cast<int64_t>(std::min(kCopyBlock, p.bytes - b));
+          at::parallel_for(0, n, int64_t{8} << 20, [&](int64_t begin, int64_t end) {
+            std::memcpy(to + b + begin, from + b + begin, static_cast<size_t>(end - begin));
+          });
+          publish(p.offset + b + n);
+        }
+      } else {  // strided or on a device: torch copies (and moves to the CPU)
+        at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU)).copy_(src);
+      }
+      publish(p.offset + p.bytes);
+    }
+  }
+
+  void publish(uint64_t end) {
+    std::lock_guard<std::mutex> lock(mutex);
+    staged = end;
+    changed.notify_all();
+  }
+
+  // The writer thread: blocks until staging bytes [0, end) are in place (or the copy ended);
+  // raises the copy's failure. With CUDA pieces, until the whole copy and the device copies.
+  void wait_staged(uint64_t end) {
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      changed.wait(lock, [&] { return copied || (!fence && staged >= end); });
+      if (copy_error) std::rethrow_exception(copy_error);
+      if (!copied || !fence) return;
+    }
+    fence->wait();  // once the device copies landed, later calls return at once
   }
 
   void wait_copied() {
     std::unique_lock<std::mutex> lock(mutex);
     changed.wait(lock, [&] { return copied; });
-  }
-
-  // The writer thread, before it reads staging: blocks until the device copies have landed.
-  void wait_device_copies() {
-    if (!fence) return;
-    try {
-      fence->wait();
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (!copy_error) copy_error = std::current_exception();
-    }
   }
 
   void finish(bool was_skipped, std::exception_ptr failure) {
@@ -176,13 +212,17 @@ struct Checkpointer::Impl {
       : store(s),
         options(std::move(o)),
         storage(std::move(st)),
-        log(options.logger ? options.logger : spdlog::default_logger()) {}
+        log(options.logger ? options.logger : spdlog::default_logger()),
+        io(options.io_threads) {}
 
   // Constant after construction.
   comm::Store& store;
   const CheckpointerOptions options;
   const std::shared_ptr<Storage> storage;
   const std::shared_ptr<spdlog::logger> log;
+
+  // Used by the writer thread only: the data files' writes.
+  IoQueue io;
 
   // Touched by the training thread only (and the destructor).
   std::shared_ptr<Job> current;      // the newest save, maybe in flight
@@ -204,6 +244,11 @@ struct Checkpointer::Impl {
   std::filesystem::path step_dir(int64_t step) const { return options.dir / step_dir_name(step); }
   StepCommit commit_of(int64_t step) const {
     return StepCommit(store, options.store_prefix, step, options.rank, options.world_size);
+  }
+  ReadOptions read_options() const {
+    return {.io_threads = options.io_threads,
+            .read_bytes = options.write_bytes,
+            .direct_io = options.direct_io};
   }
 
   // save(), on the training thread.
@@ -234,8 +279,6 @@ void Checkpointer::Impl::writer_loop() {
       if (!queued) return;
       job = std::move(queued);
     }
-    job->wait_copied();
-    job->wait_device_copies();
     run_job(*job);
   }
 }
@@ -246,12 +289,6 @@ void Checkpointer::Impl::run_job(Job& job) {
   bool skipped = false;
   std::exception_ptr failure;
   try {
-    std::exception_ptr copy_error;
-    {
-      std::lock_guard<std::mutex> lock(job.mutex);
-      copy_error = job.copy_error;
-    }
-    if (copy_error) std::rethrow_exception(copy_error);
     write_file(job);
   } catch (...) {
     failure = std::current_exception();
@@ -329,21 +366,32 @@ void Checkpointer::Impl::write_file(Job& job) {
   const auto temp = dir / ("." + name + ".tmp");
   auto file = storage->create(temp, options.direct_io);
   // Direct writes need aligned lengths: the last one is padded with zeros (inside the staging
-  // capacity, a multiple of the alignment) and the file truncated back afterwards.
+  // capacity, a multiple of the alignment, which the copy does not touch) and the file
+  // truncated back afterwards.
   const uint64_t padded = file->direct() ? (job.plan.file_bytes + kDirectAlignment - 1) /
                                                kDirectAlignment * kDirectAlignment
                                          : job.plan.file_bytes;
   if (padded > job.plan.file_bytes)
     std::memset(job.staging + job.plan.file_bytes, 0, padded - job.plan.file_bytes);
-  // One pass over the staging buffer in file order: hash a chunk (per chunk, and into its
-  // piece's hash), and once write_bytes are hashed, write them and start their writeback, so
-  // the disk works while the next chunks are hashed and the final fsync has little left.
+  // Writes in flight reference the file and staging: they finish before either goes, also when
+  // this function raises.
+  struct Drain {
+    IoQueue& io;
+    ~Drain() { io.drain_quietly(); }
+  } drain{io};
+  // One pass over the staging buffer in file order: wait for the copy to have put a chunk in
+  // place, hash it (per chunk, and into its piece's hash), and once write_bytes are hashed hand
+  // them to an I/O thread, so that the disk works while the next chunks are copied and hashed.
   uint64_t written = 0;
   auto write_up_to = [&](uint64_t end, bool last) {
     while (end - written >= options.write_bytes || (last && written < end)) {
       const uint64_t n = std::min<uint64_t>(options.write_bytes, end - written);
-      write_all_at(*file, written, job.staging + written, n);
-      file->start_writeback(written, n);
+      WritableFile* f = file.get();
+      const char* data = job.staging + written;
+      io.submit([f, data, at = written, n] {
+        write_all_at(*f, at, data, n);
+        f->start_writeback(at, n);
+      });
       written += n;
     }
   };
@@ -357,12 +405,15 @@ void Checkpointer::Impl::write_file(Job& job) {
     piece.chunk_hashes.clear();
     for (uint64_t cs = 0; cs < p.bytes; cs += piece.chunk_bytes) {
       const uint64_t n = std::min<uint64_t>(piece.chunk_bytes, p.bytes - cs);
+      job.wait_staged(p.offset + cs + n);
       piece.chunk_hashes.push_back(util::xxh64(bytes + cs, n));
       write_up_to(p.offset + cs + n, false);
     }
     piece.hash = piece_hash(piece.chunk_hashes);
   }
+  job.wait_staged(job.plan.file_bytes);
   write_up_to(padded, true);
+  io.drain();  // raises the first failed write
   if (padded != job.plan.file_bytes) file->truncate(job.plan.file_bytes);
   const auto written_at = Clock::now();
   file->sync();
@@ -468,10 +519,10 @@ Checkpointer::Checkpointer(comm::Store& store, CheckpointerOptions options,
              InvalidArgument, "CheckpointerOptions: rank ", options.rank,
              " is not in [0, world_size = ", options.world_size, ")");
   LOOM_CHECK(options.write_bytes > 0 && options.write_bytes % kDirectAlignment == 0 &&
-                 options.hash_chunk_bytes >= 16,
+                 options.hash_chunk_bytes >= 16 && options.io_threads > 0,
              InvalidArgument,
-             "CheckpointerOptions: write_bytes must be a positive multiple of 4096 and "
-             "hash_chunk_bytes >= 16");
+             "CheckpointerOptions: write_bytes must be a positive multiple of 4096, "
+             "hash_chunk_bytes >= 16 and io_threads > 0");
   LOOM_CHECK(storage != nullptr, InvalidArgument, "Checkpointer: storage is null");
   storage->create_dirs(options.dir);
   impl_ = std::make_unique<Impl>(store, std::move(options), std::move(storage));
@@ -535,7 +586,7 @@ std::shared_ptr<SaveHandle::Job> Checkpointer::Impl::make_room(int64_t step) {
     last_step = step;
     auto job = std::make_shared<Job>();
     job->step = step;
-    job->copied = true;
+    job->copy_started = job->copied = true;
     job->finish(true, nullptr);
     return job;
   }
@@ -621,8 +672,9 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
   FilePlan plan = m.validate(step, state);
   if (auto skipped = m.make_room(step)) return SaveHandle(skipped);
   std::shared_ptr<SaveHandle::Job> job = m.stage(step, state, std::move(plan));
-  if (!save_options.defer_copy) job->copy();
   m.enqueue(job);
+  // The writer hashes and writes behind the copy, block by block.
+  if (!save_options.defer_copy) job->copy();
   return SaveHandle(job);
 }
 
@@ -660,7 +712,8 @@ std::optional<int64_t> Checkpointer::latest() const {
 
 void Checkpointer::verify(int64_t step) const {
   const auto dir = impl_->step_dir(step);
-  StepReader reader(impl_->storage, dir, read_manifest(*impl_->storage, dir));
+  StepReader reader(impl_->storage, dir, read_manifest(*impl_->storage, dir),
+                    impl_->read_options());
   reader.verify_all();
 }
 
@@ -726,13 +779,23 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
                                          dir.string(), ": ", differences.size(),
                                          " difference(s) from the state asked for:", list));
   }
-  StepReader reader(storage, dir, std::move(manifest));
+  StepReader reader(storage, dir, std::move(manifest), read_options());
   at::NoGradGuard no_grad;
+  // Contiguous CPU tensors are read straight into place, all in one pipeline.
+  std::vector<StepReader::Request> in_place;
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     at::Tensor& t = state.tensors[i].tensor;
     const auto& [record, region] = plan[i];
-    const bool direct = t.device().is_cpu() && t.is_contiguous();
-    at::Tensor target = t;
+    if (t.device().is_cpu() && t.is_contiguous())
+      in_place.push_back({record, region.begin, region.end, static_cast<char*>(t.data_ptr())});
+  }
+  reader.read(in_place, load_options.verify);
+  // The others one at a time through a host tensor.
+  for (size_t i = 0; i < state.tensors.size(); ++i) {
+    at::Tensor& t = state.tensors[i].tensor;
+    if (t.device().is_cpu() && t.is_contiguous()) continue;
+    const auto& [record, region] = plan[i];
+    at::Tensor target;
     if (t.is_cuda()) {
       // Through the reused pinned buffer: the host-to-device copy below is one DMA.
       const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
@@ -741,12 +804,12 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
         load_buffer = internal::HostBuffer(bytes, /*pinned=*/true);
       }
       target = at::from_blob(load_buffer.data(), t.sizes(), t.options().device(at::kCPU));
-    } else if (!direct) {
+    } else {
       target = at::empty(t.sizes(), t.options().device(at::kCPU));
     }
     reader.read(*record, region.begin, region.end, static_cast<char*>(target.data_ptr()),
                 load_options.verify);
-    if (!direct) t.copy_(target);
+    t.copy_(target);
   }
   for (auto& [name, text] : state.blobs) text = reader.manifest().blobs.at(name);
   return step;

@@ -15,6 +15,7 @@
 #include "loom/comm/store.h"
 #include "loom/error.h"
 #include "util/files.h"
+#include "util/hash.h"
 
 namespace loom::ckpt {
 namespace {
@@ -236,6 +237,112 @@ TEST(Reader, ARankReadsOnlyTheBytesItNeeds) {
   storage->bytes_read = 0;
   ckpt.load(1, s, {.verify = false});
   EXPECT_EQ(storage->bytes_read.load(), manifest_bytes + n);  // exactly the wanted bytes
+}
+
+// The read pipeline with every relation of chunk size to read size (chunks inside one read,
+// a chunk spanning several reads), reads on the I/O threads (>= 256 KiB) and inline, direct and
+// buffered, whole and resharded: bitwise what was saved.
+TEST(Reader, PipelinedReadsReturnExactlyTheSavedBytes) {
+  torch::manual_seed(3);
+  const torch::Tensor big = torch::randn({(3 << 20) / 4 + 777});  // ~3 MiB, not a 4 KiB multiple
+  const torch::Tensor small = torch::arange(3000, torch::kInt16);
+  struct Sizes {
+    size_t chunk, read;
+  };
+  for (const Sizes sizes : {Sizes{64 << 10, 1 << 20}, Sizes{1 << 20, 256 << 10},
+                            Sizes{1000, 256 << 10}, Sizes{4 << 20, 8 << 20}}) {
+    SCOPED_TRACE(::testing::Message() << "chunk " << sizes.chunk << ", read " << sizes.read);
+    TempDir dir;
+    comm::InMemoryStore store;
+    const CheckpointerOptions options{
+        .dir = dir.path(), .write_bytes = sizes.read, .hash_chunk_bytes = sizes.chunk};
+    {
+      Checkpointer ckpt(store, options);
+      State s;
+      s.add("big", big.clone());
+      s.add("small", small.clone());
+      ckpt.save_sync(1, s);
+    }
+    for (bool verify : {true, false}) {
+      Checkpointer ckpt(store, options);
+      State whole;
+      whole.add("big", torch::zeros_like(big));
+      whole.add("small", torch::zeros_like(small));
+      ckpt.load(1, whole, {.verify = verify});
+      EXPECT_TRUE(torch::equal(whole.tensors[0].tensor, big));
+      EXPECT_TRUE(torch::equal(whole.tensors[1].tensor, small));
+      // Rank 1 of 3: a slice that starts and ends inside chunks.
+      const int64_t n = big.numel(), b = n / 3 + 5, e = 2 * n / 3 - 3;
+      Checkpointer rank1(store, {.dir = dir.path(),
+                                 .rank = 1,
+                                 .world_size = 3,
+                                 .write_bytes = sizes.read,
+                                 .hash_chunk_bytes = sizes.chunk});
+      State part;
+      part.add("big", torch::zeros({e - b}), Sharding::flat({n}, b, e));
+      rank1.load(1, part, {.verify = verify, .leave_out = {"small"}});
+      EXPECT_TRUE(torch::equal(part.tensors[0].tensor, big.slice(0, b, e)));
+    }
+  }
+}
+
+// A corrupt byte in a chunk that spans several reads is found, and named like any other.
+TEST(Reader, ACorruptChunkSpanningSeveralReadsIsCorruptData) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  const CheckpointerOptions options{
+      .dir = dir.path(), .write_bytes = 256 << 10, .hash_chunk_bytes = 1 << 20};
+  const torch::Tensor w = torch::arange((2 << 20) / 4, torch::kFloat32);  // 2 chunks of 1 MiB
+  {
+    Checkpointer ckpt(store, options);
+    State s;
+    s.add("w", w);
+    ckpt.save_sync(1, s);
+  }
+  const auto file = dir / "step_00000001" / "rank_00000.data";
+  const uint64_t offset = read_manifest(dir / "step_00000001").find("w")->pieces[0].offset;
+  flip_byte(file, static_cast<off_t>(offset + (1 << 20) + 700 * 1024));
+  Checkpointer ckpt(store, options);
+  State s;
+  s.add("w", torch::zeros_like(w));
+  const std::string message = error_of<CorruptData>([&] { ckpt.load(s); });
+  const Manifest manifest = read_manifest(dir / "step_00000001");
+  const Piece& piece = manifest.find("w")->pieces[0];
+  // The chunk's bytes hash to something else than the manifest's hash: compare all but that.
+  const std::string expected_start =
+      "checkpoint step 1: tensor \"w\" is corrupt in file " + file.string() + ": bytes [" +
+      std::to_string(offset + (1 << 20)) + ", " + std::to_string(offset + (2 << 20)) + ") hash to ";
+  const std::string expected_end =
+      ", the manifest says " + util::hash_hex(piece.chunk_hashes[1]) +
+      ". Load an earlier step (load_latest_valid) or restore the file.";
+  ASSERT_EQ(message.size(), expected_start.size() + 16 + expected_end.size()) << message;
+  EXPECT_EQ(message.substr(0, expected_start.size()), expected_start);
+  EXPECT_EQ(message.substr(expected_start.size() + 16), expected_end);
+  EXPECT_EQ(error_of<CorruptData>([&] { ckpt.verify(1); }), message);
+}
+
+// A read failing on an I/O thread is raised by load() as it is.
+TEST(Reader, AReadFailureOnAnIoThreadIsRaisedByLoad) {
+  using Op = testing::FaultyStorage::Op;
+  TempDir dir;
+  comm::InMemoryStore store;
+  const torch::Tensor w = torch::randn({1 << 20});
+  {
+    Checkpointer ckpt(store, {.dir = dir.path()});
+    State s;
+    s.add("w", w);
+    ckpt.save_sync(1, s);
+  }
+  auto storage = std::make_shared<testing::FaultyStorage>();
+  const auto file = dir / "step_00000001" / "rank_00000.data";
+  storage->fault = [&](Op op, const std::filesystem::path& path) {
+    return op == Op::kRead && path == file ? EIO : 0;
+  };
+  Checkpointer ckpt(store, {.dir = dir.path()}, storage);
+  State s;
+  s.add("w", torch::zeros_like(w));
+  EXPECT_EQ(error_of<IoError>([&] { ckpt.load(s); }),
+            testing::FaultyStorage::injected_message(Op::kRead, file, EIO));
 }
 
 }  // namespace
