@@ -124,10 +124,43 @@ void StepReader::fetch(const Op& op, char* buffer) {
              " ended early while reading it (truncated)");
 }
 
+bool StepReader::whole_chunks(const Op& op) {
+  const Piece& p = *op.piece;
+  return op.from % p.chunk_bytes == 0 && (op.to % p.chunk_bytes == 0 || op.to == p.bytes);
+}
+
+void StepReader::consume(const Op& op, const char* data, bool verify,
+                         std::optional<util::Hasher64>& partial) {
+  if (verify) {
+    const Piece& p = *op.piece;
+    for (uint64_t pos = op.from; pos < op.to;) {
+      const uint64_t c = pos / p.chunk_bytes, cs = c * p.chunk_bytes;
+      const uint64_t ce = std::min(p.bytes, cs + p.chunk_bytes);
+      const uint64_t n = std::min(op.to, ce) - pos;
+      const char* bytes = data + (pos - op.from);
+      const bool whole = pos == cs && pos + n == ce;
+      if (!whole) {
+        if (pos == cs) partial.emplace();
+        partial->update(bytes, n);
+      }
+      pos += n;
+      if (pos != ce) continue;
+      const uint64_t hash = whole ? util::xxh64(bytes, n) : partial->digest();
+      LOOM_CHECK(hash == p.chunk_hashes[c], CorruptData, "checkpoint step ", manifest_.step,
+                 ": tensor \"", op.tensor->name, "\" is corrupt in file ", op.file->path.string(),
+                 ": bytes [", p.offset + cs, ", ", p.offset + ce, ") hash to ",
+                 util::hash_hex(hash), ", the manifest says ", util::hash_hex(p.chunk_hashes[c]),
+                 ". Load an earlier step (load_latest_valid) or restore the file.");
+    }
+  }
+  if (op.dest != nullptr && op.want_from < op.want_to)
+    std::memcpy(op.dest, data + (op.want_from - op.from), op.want_to - op.want_from);
+}
+
 void StepReader::run(const std::vector<Op>& ops, bool verify) {
   if (ops.empty()) return;
   // Buffer i % slots holds op i from its read until it is hashed and copied: the I/O threads
-  // read up to `threads` ops ahead of the one being consumed.
+  // work on up to `threads` ops ahead of the one the calling thread waits for.
   const size_t slots = static_cast<size_t>(options_.io_threads) + 1;
   uint64_t slot_bytes = 0;
   for (const Op& op : ops)
@@ -135,9 +168,12 @@ void StepReader::run(const std::vector<Op>& ops, bool verify) {
   internal::HostBuffer buffers(slots * slot_bytes, /*pinned=*/false);
   auto buffer = [&](size_t i) { return buffers.data() + (i % slots) * slot_bytes; };
   IoQueue io(options_.io_threads);  // after buffers: joined (reads finished) before they go
+  // An op on an I/O thread whose chunks lie whole inside it is also verified and copied there,
+  // so that hashing and copying use every core; the calling thread does the rest, in order
+  // (a chunk that spans reads is hashed across them).
   std::vector<std::optional<IoQueue::Ticket>> tickets(ops.size());
-
-  std::optional<util::Hasher64> partial;  // a chunk that spans reads
+  std::vector<bool> done_there(ops.size(), false);
+  std::optional<util::Hasher64> partial;
   size_t submitted = 0;
   for (size_t i = 0; i < ops.size(); ++i) {
     for (; submitted < ops.size() && submitted < i + slots; ++submitted) {
@@ -145,7 +181,14 @@ void StepReader::run(const std::vector<Op>& ops, bool verify) {
       // Small reads come from the page cache (readahead): a thread hop would cost more.
       if (op.bytes() < kDirectReadBytes) continue;
       char* into = buffer(submitted);
-      tickets[submitted] = io.submit([this, &op, into] { fetch(op, into); });
+      const bool consume_there = !verify || whole_chunks(op);
+      done_there[submitted] = consume_there;
+      tickets[submitted] = io.submit([this, &op, into, verify, consume_there] {
+        fetch(op, into);
+        if (!consume_there) return;
+        std::optional<util::Hasher64> unused;
+        consume(op, into, verify, unused);
+      });
     }
     const Op& op = ops[i];
     char* data = buffer(i);
@@ -154,30 +197,7 @@ void StepReader::run(const std::vector<Op>& ops, bool verify) {
     } else {
       fetch(op, data);
     }
-    if (verify) {
-      const Piece& p = *op.piece;
-      for (uint64_t pos = op.from; pos < op.to;) {
-        const uint64_t c = pos / p.chunk_bytes, cs = c * p.chunk_bytes;
-        const uint64_t ce = std::min(p.bytes, cs + p.chunk_bytes);
-        const uint64_t n = std::min(op.to, ce) - pos;
-        const char* bytes = data + (pos - op.from);
-        const bool whole = pos == cs && pos + n == ce;
-        if (!whole) {
-          if (pos == cs) partial.emplace();
-          partial->update(bytes, n);
-        }
-        pos += n;
-        if (pos != ce) continue;
-        const uint64_t hash = whole ? util::xxh64(bytes, n) : partial->digest();
-        LOOM_CHECK(hash == p.chunk_hashes[c], CorruptData, "checkpoint step ", manifest_.step,
-                   ": tensor \"", op.tensor->name, "\" is corrupt in file ", op.file->path.string(),
-                   ": bytes [", p.offset + cs, ", ", p.offset + ce, ") hash to ",
-                   util::hash_hex(hash), ", the manifest says ", util::hash_hex(p.chunk_hashes[c]),
-                   ". Load an earlier step (load_latest_valid) or restore the file.");
-      }
-    }
-    if (op.dest != nullptr && op.want_from < op.want_to)
-      std::memcpy(op.dest, data + (op.want_from - op.from), op.want_to - op.want_from);
+    if (!done_there[i]) consume(op, data, verify, partial);
   }
   io.drain();
 }

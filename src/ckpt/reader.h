@@ -4,19 +4,22 @@
 // A read is planned first (which byte ranges of which files, every piece checked to lie inside
 // its file before anything is allocated for it), then run as a pipeline: I/O threads read the
 // next ranges (O_DIRECT where the file system allows it and the range is large and aligned)
-// into a few reused buffers while the calling thread hashes and copies the ranges already read
-// into the caller's memory.
+// into a few buffers, then hash and copy them into the caller's memory, while the calling
+// thread waits for them in order (and itself reads the small ranges and hashes chunks that
+// span two reads).
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "ckpt/manifest.h"
 #include "ckpt/storage.h"
+#include "util/hash.h"
 
 namespace loom::ckpt {
 
@@ -73,6 +76,11 @@ class StepReader {
             bool verify, std::vector<Op>& ops);
   // Reads op into buffer (on an I/O thread or the calling one).
   void fetch(const Op& op, char* buffer);
+  // Checks op's chunks (with verify) and copies its wanted bytes to its dest. `partial` carries
+  // the hash of a chunk that started in an earlier op; ops whose chunks lie whole inside them
+  // (whole_chunks) need none and may be consumed on any thread.
+  void consume(const Op& op, const char* data, bool verify, std::optional<util::Hasher64>& partial);
+  static bool whole_chunks(const Op& op);
   void run(const std::vector<Op>& ops, bool verify);
 
   std::shared_ptr<Storage> storage_;
