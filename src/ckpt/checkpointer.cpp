@@ -230,7 +230,8 @@ struct Checkpointer::Impl {
   internal::HostBuffer staging;      // reused by every save; grown when a file needs more
   bool staging_pin_asked = false;    // staging was allocated for CUDA tensors (pinned if it could)
   std::unique_ptr<internal::DeviceStager> stager;  // made at the first save of a CUDA tensor
-  internal::HostBuffer load_buffer;  // pinned, reused: reads of CUDA tensors land here first
+  internal::HostBuffer load_buffer;   // pinned, reused: reads of CUDA tensors land here first
+  internal::HostBuffer read_buffers;  // the read pipeline's buffers, reused by every load
 
   // State below is protected by mutex; wake is notified when queued, stop or retiring change.
   std::mutex mutex;
@@ -245,10 +246,12 @@ struct Checkpointer::Impl {
   StepCommit commit_of(int64_t step) const {
     return StepCommit(store, options.store_prefix, step, options.rank, options.world_size);
   }
-  ReadOptions read_options() const {
+  // Used by load(), verify() and friends on the training thread.
+  ReadOptions read_options() {
     return {.io_threads = options.io_threads,
             .read_bytes = options.write_bytes,
-            .direct_io = options.direct_io};
+            .direct_io = options.direct_io,
+            .buffers = &read_buffers};
   }
 
   // save(), on the training thread.

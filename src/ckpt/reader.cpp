@@ -165,7 +165,12 @@ void StepReader::run(const std::vector<Op>& ops, bool verify) {
   uint64_t slot_bytes = 0;
   for (const Op& op : ops)
     slot_bytes = std::max(slot_bytes, align_up(op.bytes(), kDirectAlignment));
-  internal::HostBuffer buffers(slots * slot_bytes, /*pinned=*/false);
+  internal::HostBuffer local;
+  internal::HostBuffer& buffers = options_.buffers != nullptr ? *options_.buffers : local;
+  if (buffers.size() < slots * slot_bytes) {
+    buffers = internal::HostBuffer();
+    buffers = internal::HostBuffer(slots * slot_bytes, /*pinned=*/false);
+  }
   auto buffer = [&](size_t i) { return buffers.data() + (i % slots) * slot_bytes; };
   IoQueue io(options_.io_threads);  // after buffers: joined (reads finished) before they go
   // An op on an I/O thread whose chunks lie whole inside it is also verified and copied there,
