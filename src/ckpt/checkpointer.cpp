@@ -1,17 +1,18 @@
 // The asynchronous checkpointer (see loom/ckpt/checkpointer.h and docs/checkpoint.md).
 //
-// A save: the training thread plans this rank's file (layout.h), copies the tensors into
-// one reusable staging buffer laid out exactly like the file, and queues a Job. CUDA tensors
-// go into pinned staging memory by device-to-host copies on a side stream (device_copy.h),
-// enqueued at save() and overlapping the next forward/backward; the deferred copy() then only
-// makes the compute stream wait for them, and the writer waits for their event before it
-// reads the buffer. The writer
-// thread hashes the pieces, writes the file under a temporary name in large writes, fsyncs,
-// renames, fsyncs the directory and reports through the Store under <prefix>/<step>/:
-//   rank_<r>   "ok\n<report JSON>", "error\n<cause>" or "skipped\n<why>" (ranks 1..W-1)
-//   commit     "ok", "error\n<cause>" or "skipped\n<why>", set by rank 0 after it wrote the
-//              manifest (or decided not to); ranks 1..W-1 wait for it
-//   finished   a counter; the rank that brings it to W removes the step's keys.
+// A save is validate, stage, enqueue. The training thread checks the state and plans this
+// rank's file (layout.h), makes sure the previous save is done with the staging buffer, builds
+// this rank's report, queues a Job for the writer thread and copies the tensors into the one
+// reusable staging buffer, laid out exactly like the file (or, with defer_copy, leaves the copy
+// to before_optimizer_step()). CUDA tensors go into pinned staging memory by device-to-host
+// copies on a side stream (device_copy.h), enqueued at save() and overlapping the next
+// forward/backward; the deferred copy() then only makes the compute stream wait for them.
+//
+// The writer thread works as a pipeline over the staging buffer in file order: it hashes each
+// chunk as soon as the copy has put it in place, and hands every write_bytes block it hashed to
+// the I/O threads (io_queue.h), which write it with O_DIRECT while the next blocks are copied
+// and hashed. Then it fsyncs, renames, fsyncs the directory and runs the commit protocol
+// (commit.h): ranks 1..W-1 report, rank 0 collects the reports, writes the manifest and decides.
 #include "loom/ckpt/checkpointer.h"
 
 #include <ATen/ATen.h>
@@ -27,7 +28,9 @@
 #include <set>
 #include <thread>
 
+#include "ckpt/commit.h"
 #include "ckpt/device_copy.h"
+#include "ckpt/io_queue.h"
 #include "ckpt/layout.h"
 #include "ckpt/manifest.h"
 #include "ckpt/reader.h"
@@ -41,17 +44,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::chrono::milliseconds remaining(Clock::time_point deadline) {
-  return std::max(std::chrono::milliseconds(0),
-                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
-}
-
-// "ok\n..." -> {"ok", "..."}.
-std::pair<std::string, std::string> split_status(const std::string& value) {
-  size_t newline = value.find('\n');
-  if (newline == std::string::npos) return {value, ""};
-  return {value.substr(0, newline), value.substr(newline + 1)};
-}
+// The copy publishes its progress to the writer after each block of this many bytes.
+constexpr uint64_t kCopyBlock = uint64_t{32} << 20;
 
 // The message of an exception_ptr.
 std::string what_of(const std::exception_ptr& error) {
@@ -68,7 +62,7 @@ std::string what_of(const std::exception_ptr& error) {
 
 // One save, shared by the training thread, the writer thread and the handles.
 struct SaveHandle::Job {
-  // Constant after construction.
+  // Constant once the job is queued.
   int64_t step = 0;
   FilePlan plan;
   Manifest report;  // this rank's report, hashes filled in by the writer
@@ -76,68 +70,98 @@ struct SaveHandle::Job {
   // The device-to-host copies of the CUDA pieces, enqueued by save(); null without any.
   std::shared_ptr<internal::CopyFence> fence;
 
-  // State below is protected by mutex; changed is notified when copied or finished turn true.
+  // State below is protected by mutex; changed is notified when staged, copied or finished
+  // change.
   std::mutex mutex;
   std::condition_variable changed;
-  std::vector<at::Tensor> pending;  // the tensors to copy (one per planned piece) until copied
+  std::vector<at::Tensor> pending;  // the tensors to copy (one per planned piece) until copied;
+                                    // read by the copying thread alone once copy_started
+  bool copy_started = false;
+  uint64_t staged = 0;  // staging bytes [0, staged) hold their final contents (CPU pieces)
   bool copied = false;
   std::exception_ptr copy_error;
   bool finished = false;
   bool skipped = false;
   std::exception_ptr error;
 
-  // Copies the pending tensors into staging once; later calls return at once.
+  // Copies the pending tensors into staging, in file order, publishing `staged` after each
+  // block so that the writer hashes and writes behind the copy. Once: a later call waits for
+  // the first to finish and returns.
   void copy() {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (copied) return;
-    try {
-      at::NoGradGuard no_grad;
-      uint64_t end_of_previous = 0;
-      for (size_t i = 0; i < plan.pieces.size(); ++i) {
-        const PlannedPiece& p = plan.pieces[i];
-        // Alignment padding is zeroed, so files hold nothing but the state.
-        std::memset(staging + end_of_previous, 0, p.offset - end_of_previous);
-        end_of_previous = p.offset + p.bytes;
-        const at::Tensor& src = pending[i];
-        if (src.is_cuda()) {
-          continue;  // already enqueued on the side stream by save()
-        } else if (src.device().is_cpu() && src.is_contiguous()) {
-          // memcpy in 8 MiB blocks over torch's intra-op threads: training is stalled anyway.
-          const char* from = static_cast<const char*>(src.data_ptr());
-          char* to = staging + p.offset;
-          at::parallel_for(
-              0, static_cast<int64_t>(p.bytes), int64_t{8} << 20, [&](int64_t begin, int64_t end) {
-                std::memcpy(to + begin, from + begin, static_cast<size_t>(end - begin));
-              });
-        } else {  // strided or on a device: torch copies (and moves to the CPU)
-          at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU)).copy_(src);
-        }
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      if (copy_started) {
+        changed.wait(lock, [&] { return copied; });
+        return;
       }
+      copy_started = true;
+    }
+    std::exception_ptr failure;
+    try {
+      copy_pieces();
       // The caller may change the CUDA tensors once copy() returned: later work on the compute
       // stream waits for their copies (on the GPU; the host goes on).
       if (fence) fence->order_compute_stream();
     } catch (...) {
-      copy_error = std::current_exception();
+      failure = std::current_exception();
     }
+    std::lock_guard<std::mutex> lock(mutex);
     pending.clear();
     copied = true;
+    copy_error = std::move(failure);
     changed.notify_all();
+  }
+
+  void copy_pieces() {
+    at::NoGradGuard no_grad;
+    uint64_t end_of_previous = 0;
+    for (size_t i = 0; i < plan.pieces.size(); ++i) {
+      const PlannedPiece& p = plan.pieces[i];
+      // Alignment padding is zeroed, so files hold nothing but the state.
+      std::memset(staging + end_of_previous, 0, p.offset - end_of_previous);
+      end_of_previous = p.offset + p.bytes;
+      const at::Tensor& src = pending[i];
+      if (src.is_cuda()) {
+        continue;  // already enqueued on the side stream by save()
+      } else if (src.device().is_cpu() && src.is_contiguous()) {
+        // memcpy over torch's intra-op threads (training is stalled anyway), a block at a time.
+        const char* from = static_cast<const char*>(src.data_ptr());
+        char* to = staging + p.offset;
+        for (uint64_t b = 0; b < p.bytes; b += kCopyBlock) {
+          const int64_t n = static_cast<int64_t>(std::min(kCopyBlock, p.bytes - b));
+          at::parallel_for(0, n, int64_t{8} << 20, [&](int64_t begin, int64_t end) {
+            std::memcpy(to + b + begin, from + b + begin, static_cast<size_t>(end - begin));
+          });
+          publish(p.offset + b + n);
+        }
+      } else {  // strided or on a device: torch copies (and moves to the CPU)
+        at::from_blob(staging + p.offset, src.sizes(), src.options().device(at::kCPU)).copy_(src);
+      }
+      publish(p.offset + p.bytes);
+    }
+  }
+
+  void publish(uint64_t end) {
+    std::lock_guard<std::mutex> lock(mutex);
+    staged = end;
+    changed.notify_all();
+  }
+
+  // The writer thread: blocks until staging bytes [0, end) are in place (or the copy ended);
+  // raises the copy's failure. With CUDA pieces, until the whole copy and the device copies.
+  void wait_staged(uint64_t end) {
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      changed.wait(lock, [&] { return copied || (!fence && staged >= end); });
+      if (copy_error) std::rethrow_exception(copy_error);
+      if (!copied || !fence) return;
+    }
+    fence->wait();  // once the device copies landed, later calls return at once
   }
 
   void wait_copied() {
     std::unique_lock<std::mutex> lock(mutex);
     changed.wait(lock, [&] { return copied; });
-  }
-
-  // The writer thread, before it reads staging: blocks until the device copies have landed.
-  void wait_device_copies() {
-    if (!fence) return;
-    try {
-      fence->wait();
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (!copy_error) copy_error = std::current_exception();
-    }
   }
 
   void finish(bool was_skipped, std::exception_ptr failure) {
@@ -188,7 +212,8 @@ struct Checkpointer::Impl {
       : store(s),
         options(std::move(o)),
         storage(std::move(st)),
-        log(options.logger ? options.logger : spdlog::default_logger()) {}
+        log(options.logger ? options.logger : spdlog::default_logger()),
+        io(options.io_threads) {}
 
   // Constant after construction.
   comm::Store& store;
@@ -196,13 +221,17 @@ struct Checkpointer::Impl {
   const std::shared_ptr<Storage> storage;
   const std::shared_ptr<spdlog::logger> log;
 
+  // Used by the writer thread only: the data files' writes.
+  IoQueue io;
+
   // Touched by the training thread only (and the destructor).
   std::shared_ptr<Job> current;      // the newest save, maybe in flight
   std::optional<int64_t> last_step;  // the step of the newest save() that got past validation
   internal::HostBuffer staging;      // reused by every save; grown when a file needs more
   bool staging_pin_asked = false;    // staging was allocated for CUDA tensors (pinned if it could)
   std::unique_ptr<internal::DeviceStager> stager;  // made at the first save of a CUDA tensor
-  internal::HostBuffer load_buffer;  // pinned, reused: reads of CUDA tensors land here first
+  internal::HostBuffer load_buffer;   // pinned, reused: reads of CUDA tensors land here first
+  internal::HostBuffer read_buffers;  // the read pipeline's buffers, reused by every load
 
   // State below is protected by mutex; wake is notified when queued, stop or retiring change.
   std::mutex mutex;
@@ -213,21 +242,34 @@ struct Checkpointer::Impl {
 
   std::thread writer;  // started last in the constructor
 
-  std::string key(int64_t step, const std::string& name) const {
-    return detail::concat(options.store_prefix, "/", step, "/", name);
-  }
   std::filesystem::path step_dir(int64_t step) const { return options.dir / step_dir_name(step); }
+  StepCommit commit_of(int64_t step) const {
+    return StepCommit(store, options.store_prefix, step, options.rank, options.world_size);
+  }
+  // Used by load(), verify() and friends on the training thread.
+  ReadOptions read_options() {
+    return {.io_threads = options.io_threads,
+            .read_bytes = options.write_bytes,
+            .direct_io = options.direct_io,
+            .buffers = &read_buffers};
+  }
 
+  // save(), on the training thread.
+  FilePlan validate(int64_t step, const State& state);
+  std::shared_ptr<Job> make_room(int64_t step);  // a skipped job, or null when the step goes on
+  std::shared_ptr<Job> stage(int64_t step, const State& state, FilePlan plan);
+  void enqueue(const std::shared_ptr<Job>& job);
+
+  // The writer thread.
   void writer_loop();
   void run_job(Job& job);
   void write_file(Job& job);
-  // Rank 0: collects the reports, writes the manifest, sets commit.
-  // Returns true when the step was skipped.
-  bool commit(Job& job);
+  // Rank 0: collects the reports, writes the manifest, decides. Returns true when skipped.
+  bool commit(StepCommit& commit, Job& job);
   void write_manifest(int64_t step, const Manifest& manifest);
   void apply_retention(int64_t step);
-  void finish_keys(int64_t step);
   void wait_retention();
+
   int64_t load_step(int64_t step, State& state, const LoadOptions& options);
 };
 
@@ -240,32 +282,29 @@ void Checkpointer::Impl::writer_loop() {
       if (!queued) return;
       job = std::move(queued);
     }
-    job->wait_copied();
-    job->wait_device_copies();
     run_job(*job);
   }
 }
 
 void Checkpointer::Impl::run_job(Job& job) {
   const int rank = options.rank;
+  StepCommit protocol = commit_of(job.step);
   bool skipped = false;
   std::exception_ptr failure;
   try {
-    std::exception_ptr copy_error;
-    {
-      std::lock_guard<std::mutex> lock(job.mutex);
-      copy_error = job.copy_error;
-    }
-    if (copy_error) std::rethrow_exception(copy_error);
     write_file(job);
   } catch (...) {
     failure = std::current_exception();
     // Tell rank 0 (or, on rank 0, everyone) so that nothing is committed and nobody hangs.
-    const std::string cause = detail::concat("error\nrank ", rank, " could not write its file ",
+    const std::string cause = detail::concat("rank ", rank, " could not write its file ",
                                              (step_dir(job.step) / data_file_name(rank)).string(),
                                              ": ", what_of(failure));
     try {
-      store.set(key(job.step, rank == 0 ? "commit" : detail::concat("rank_", rank)), cause);
+      if (rank == 0) {
+        protocol.decide(Decision::kFailed, cause);
+      } else {
+        protocol.report(RankStatus::kFailed, cause);
+      }
     } catch (const std::exception& e) {
       log->error("checkpoint step {}: could not report the failure to the store: {}", job.step,
                  e.what());
@@ -274,16 +313,15 @@ void Checkpointer::Impl::run_job(Job& job) {
   if (!failure) {
     try {
       if (rank == 0) {
-        skipped = commit(job);
+        skipped = commit(protocol, job);
       } else {
-        store.set(key(job.step, detail::concat("rank_", rank)), "ok\n" + to_json(job.report));
-        const auto [status, detail_text] =
-            split_status(store.get(key(job.step, "commit"), options.timeout));
-        if (status == "skipped") {
+        protocol.report(RankStatus::kWritten, to_json(job.report));
+        const Verdict verdict = protocol.await_decision(Clock::now() + options.timeout);
+        if (verdict.decision == Decision::kSkipped) {
           skipped = true;
-        } else if (status != "ok") {
+        } else if (verdict.decision == Decision::kFailed) {
           throw IoError(
-              detail::concat("checkpoint step ", job.step, " was not committed: ", detail_text));
+              detail::concat("checkpoint step ", job.step, " was not committed: ", verdict.detail));
         }
       }
     } catch (...) {
@@ -292,7 +330,7 @@ void Checkpointer::Impl::run_job(Job& job) {
   }
   if (skipped) log->warn("checkpoint step {} was skipped: a rank was still saving", job.step);
   try {
-    finish_keys(job.step);
+    protocol.finish();
   } catch (const std::exception& e) {
     log->warn("checkpoint step {}: could not clean its store keys: {}", job.step, e.what());
   }
@@ -331,21 +369,32 @@ void Checkpointer::Impl::write_file(Job& job) {
   const auto temp = dir / ("." + name + ".tmp");
   auto file = storage->create(temp, options.direct_io);
   // Direct writes need aligned lengths: the last one is padded with zeros (inside the staging
-  // capacity, a multiple of the alignment) and the file truncated back afterwards.
+  // capacity, a multiple of the alignment, which the copy does not touch) and the file
+  // truncated back afterwards.
   const uint64_t padded = file->direct() ? (job.plan.file_bytes + kDirectAlignment - 1) /
                                                kDirectAlignment * kDirectAlignment
                                          : job.plan.file_bytes;
   if (padded > job.plan.file_bytes)
     std::memset(job.staging + job.plan.file_bytes, 0, padded - job.plan.file_bytes);
-  // One pass over the staging buffer in file order: hash a chunk (per chunk, and into its
-  // piece's hash), and once write_bytes are hashed, write them and start their writeback, so
-  // the disk works while the next chunks are hashed and the final fsync has little left.
+  // Writes in flight reference the file and staging: they finish before either goes, also when
+  // this function raises.
+  struct Drain {
+    IoQueue& io;
+    ~Drain() { io.drain_quietly(); }
+  } drain{io};
+  // One pass over the staging buffer in file order: wait for the copy to have put a chunk in
+  // place, hash it (per chunk, and into its piece's hash), and once write_bytes are hashed hand
+  // them to an I/O thread, so that the disk works while the next chunks are copied and hashed.
   uint64_t written = 0;
   auto write_up_to = [&](uint64_t end, bool last) {
     while (end - written >= options.write_bytes || (last && written < end)) {
       const uint64_t n = std::min<uint64_t>(options.write_bytes, end - written);
-      write_all(*file, job.staging + written, n);
-      file->start_writeback(written, n);
+      WritableFile* f = file.get();
+      const char* data = job.staging + written;
+      io.submit([f, data, at = written, n] {
+        write_all_at(*f, at, data, n);
+        f->start_writeback(at, n);
+      });
       written += n;
     }
   };
@@ -359,12 +408,15 @@ void Checkpointer::Impl::write_file(Job& job) {
     piece.chunk_hashes.clear();
     for (uint64_t cs = 0; cs < p.bytes; cs += piece.chunk_bytes) {
       const uint64_t n = std::min<uint64_t>(piece.chunk_bytes, p.bytes - cs);
+      job.wait_staged(p.offset + cs + n);
       piece.chunk_hashes.push_back(util::xxh64(bytes + cs, n));
       write_up_to(p.offset + cs + n, false);
     }
     piece.hash = piece_hash(piece.chunk_hashes);
   }
+  job.wait_staged(job.plan.file_bytes);
   write_up_to(padded, true);
+  io.drain();  // raises the first failed write
   if (padded != job.plan.file_bytes) file->truncate(job.plan.file_bytes);
   const auto written_at = Clock::now();
   file->sync();
@@ -379,58 +431,63 @@ void Checkpointer::Impl::write_file(Job& job) {
              seconds(written_at, Clock::now()));
 }
 
-bool Checkpointer::Impl::commit(Job& job) {
-  const auto deadline = Clock::now() + options.timeout;
-  std::vector<Manifest> reports{job.report};
-  std::string failure, skip;
-  try {
-    for (int r = 1; r < options.world_size; ++r) {
-      const auto [status, body] =
-          split_status(store.get(key(job.step, detail::concat("rank_", r)), remaining(deadline)));
-      if (status == "ok") {
-        reports.push_back(parse_manifest(body, detail::concat("rank ", r, "'s report")));
-      } else if (status == "skipped") {
-        if (skip.empty()) skip = detail::concat("rank ", r, ": ", body);
-      } else if (failure.empty()) {
-        failure = body;
-      }
-    }
-  } catch (const std::exception& e) {  // a rank that never reported: the others fail fast too
-    store.set(key(job.step, "commit"), detail::concat("error\nrank 0: ", e.what()));
-    throw;
+bool Checkpointer::Impl::commit(StepCommit& protocol, Job& job) {
+  std::vector<RankReport> reports = protocol.await_reports(Clock::now() + options.timeout);
+  const Verdict verdict = tally(reports);
+  if (verdict.decision == Decision::kSkipped) {
+    protocol.decide(Decision::kSkipped, verdict.detail);
+    return true;
   }
-  if (!failure.empty() || !skip.empty()) {
-    store.set(key(job.step, "commit"), failure.empty() ? "skipped\n" + skip : "error\n" + failure);
-    if (failure.empty()) return true;
-    throw IoError(detail::concat("checkpoint step ", job.step, " was not committed: ", failure));
+  if (verdict.decision == Decision::kFailed) {
+    protocol.decide(Decision::kFailed, verdict.detail);
+    throw IoError(
+        detail::concat("checkpoint step ", job.step, " was not committed: ", verdict.detail));
   }
   try {
-    Manifest manifest = merge_reports(job.step, reports);
-    write_manifest(job.step, manifest);
+    std::vector<Manifest> manifests{job.report};
+    for (const RankReport& r : reports)
+      manifests.push_back(parse_manifest(r.detail, detail::concat("rank ", r.rank, "'s report")));
+    write_manifest(job.step, merge_reports(job.step, manifests));
   } catch (const std::exception& e) {
-    store.set(key(job.step, "commit"),
-              detail::concat("error\nrank 0 could not commit: ", e.what()));
+    protocol.decide(Decision::kFailed, detail::concat("rank 0 could not commit: ", e.what()));
     throw;
   }
-  store.set(key(job.step, "commit"), "ok");
+  protocol.decide(Decision::kCommitted);
   return false;
 }
 
+// The commit point: the manifest in place and durable. A failure at any part of it (the
+// write, its fsync, the rename, the directory's fsync) removes the manifest again, so the
+// previous step stays the newest.
 void Checkpointer::Impl::write_manifest(int64_t step, const Manifest& manifest) {
   const auto dir = step_dir(step);
   const auto temp = dir / ("." + std::string(kManifestName) + ".tmp");
   const std::string text = to_json(manifest);
-  {
-    auto file = storage->create(temp);
-    write_all(*file, text.data(), text.size());
-    file->sync();
+  try {
+    {
+      auto file = storage->create(temp);
+      write_all_at(*file, 0, text.data(), text.size());
+      file->sync();
+    }
+    storage->rename(temp, dir / kManifestName);
+    storage->sync_dir(dir);
+  } catch (...) {
+    try {
+      storage->remove(dir / kManifestName);
+      storage->remove(temp);
+      storage->sync_dir(dir);
+    } catch (const std::exception& e) {
+      // Still not a broken checkpoint: every data file was durable before the manifest was
+      // written, so a manifest that reappears after a crash describes a complete step.
+      log->error("checkpoint step {}: could not remove the manifest after a failed commit: {}",
+                 step, e.what());
+    }
+    throw;
   }
-  storage->rename(temp, dir / kManifestName);
-  storage->sync_dir(dir);
 }
 
 void Checkpointer::Impl::apply_retention(int64_t step) {
-  const std::vector<int64_t> steps = committed_steps(options.dir);
+  const std::vector<int64_t> steps = committed_steps(*storage, options.dir);
   std::set<int64_t> keep{step};
   const size_t n = steps.size();
   for (size_t i = 0; i < n; ++i) {
@@ -449,17 +506,10 @@ void Checkpointer::Impl::apply_retention(int64_t step) {
   }
   // Partial saves of earlier steps. Later steps are left alone: once commit is set the other
   // ranks may already be writing the next step (steps only grow within a run).
-  for (const auto& dir : uncommitted_dirs(options.dir))
+  for (const auto& dir : uncommitted_dirs(*storage, options.dir))
     if (parse_step_dir_name(dir.filename().string()).value_or(step) < step)
       storage->remove_all(dir);
   storage->sync_dir(options.dir);
-}
-
-void Checkpointer::Impl::finish_keys(int64_t step) {
-  if (store.add(key(step, "finished"), 1) < options.world_size) return;
-  for (int r = 1; r < options.world_size; ++r) store.remove(key(step, detail::concat("rank_", r)));
-  store.remove(key(step, "commit"));
-  store.remove(key(step, "finished"));
 }
 
 Checkpointer::Checkpointer(comm::Store& store, CheckpointerOptions options)
@@ -472,10 +522,10 @@ Checkpointer::Checkpointer(comm::Store& store, CheckpointerOptions options,
              InvalidArgument, "CheckpointerOptions: rank ", options.rank,
              " is not in [0, world_size = ", options.world_size, ")");
   LOOM_CHECK(options.write_bytes > 0 && options.write_bytes % kDirectAlignment == 0 &&
-                 options.hash_chunk_bytes >= 16,
+                 options.hash_chunk_bytes >= 16 && options.io_threads > 0,
              InvalidArgument,
-             "CheckpointerOptions: write_bytes must be a positive multiple of 4096 and "
-             "hash_chunk_bytes >= 16");
+             "CheckpointerOptions: write_bytes must be a positive multiple of 4096, "
+             "hash_chunk_bytes >= 16 and io_threads > 0");
   LOOM_CHECK(storage != nullptr, InvalidArgument, "Checkpointer: storage is null");
   storage->create_dirs(options.dir);
   impl_ = std::make_unique<Impl>(store, std::move(options), std::move(storage));
@@ -500,72 +550,84 @@ Checkpointer::~Checkpointer() {
 
 const CheckpointerOptions& Checkpointer::options() const { return impl_->options; }
 
-SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOptions& save_options) {
-  Impl& m = *impl_;
+FilePlan Checkpointer::Impl::validate(int64_t step, const State& state) {
   LOOM_CHECK(step >= 0, InvalidArgument, "checkpoint step must be >= 0, got ", step);
-  FilePlan plan = plan_file(state, m.options.rank);  // validates before anything waits
-  if (m.options.rank == 0) {
+  FilePlan plan = plan_file(state, options.rank);  // validates before anything waits
+  if (options.rank == 0) {
     for (const auto& [name, text] : state.blobs) {
       LOOM_CHECK(nlohmann::json::accept(text), InvalidArgument, "checkpoint blob \"", name,
                  "\" is not valid JSON");
     }
   }
   // Steps only grow within a run: retention and the commit protocol rely on it.
-  LOOM_CHECK(!m.last_step || step > *m.last_step, InvalidArgument, "checkpoint step ", step,
-             " was asked for after step ", m.last_step.value_or(0),
+  LOOM_CHECK(!last_step || step > *last_step, InvalidArgument, "checkpoint step ", step,
+             " was asked for after step ", last_step.value_or(0),
              "; steps must increase from save to save");
-
-  auto job = std::make_shared<SaveHandle::Job>();
-  job->step = step;
-  // The previous save must be done with the staging buffer.
-  if (m.current) {
-    m.current->copy();
-    if (!SaveHandle(m.current).done() && m.options.skip_if_busy) {
-      m.log->warn("checkpoint step {} skipped: the save of step {} is still in flight", step,
-                  m.current->step);
-      const std::string why = detail::concat("skipped\nthe save of step ", m.current->step,
-                                             " was still in flight on rank ", m.options.rank);
-      m.store.set(
-          m.key(step, m.options.rank == 0 ? "commit" : detail::concat("rank_", m.options.rank)),
-          why);
-      m.finish_keys(step);
-      m.last_step = step;
-      job->copied = true;
-      job->finish(true, nullptr);
-      return SaveHandle(job);
-    }
-    const auto deadline = Clock::now() + m.options.timeout;
-    LOOM_CHECK(m.current->wait_finished(deadline), Timeout, "checkpoint step ", step,
-               ": the save of step ", m.current->step, " did not finish within ",
-               m.options.timeout.count(), " ms");
-    m.current.reset();
-  }
-  LOOM_CHECK(!std::filesystem::exists(m.step_dir(step) / kManifestName), InvalidArgument,
-             "checkpoint step ", step, " is already committed in ", m.options.dir.string(),
+  // The save in flight is of an earlier step: it cannot commit this one meanwhile.
+  LOOM_CHECK(!storage->exists(step_dir(step) / kManifestName), InvalidArgument, "checkpoint step ",
+             step, " is already committed in ", options.dir.string(),
              "; save under a new step or remove that directory first");
-  m.last_step = step;
+  return plan;
+}
+
+std::shared_ptr<SaveHandle::Job> Checkpointer::Impl::make_room(int64_t step) {
+  if (!current) return nullptr;
+  // The previous save must be done with the staging buffer.
+  current->copy();
+  if (!SaveHandle(current).done() && options.skip_if_busy) {
+    log->warn("checkpoint step {} skipped: the save of step {} is still in flight", step,
+              current->step);
+    const std::string why = detail::concat("the save of step ", current->step,
+                                           " was still in flight on rank ", options.rank);
+    StepCommit protocol = commit_of(step);
+    if (options.rank == 0) {
+      protocol.decide(Decision::kSkipped, why);
+    } else {
+      protocol.report(RankStatus::kSkipped, why);
+    }
+    protocol.finish();
+    last_step = step;
+    auto job = std::make_shared<Job>();
+    job->step = step;
+    job->copy_started = job->copied = true;
+    job->finish(true, nullptr);
+    return job;
+  }
+  const auto deadline = Clock::now() + options.timeout;
+  LOOM_CHECK(current->wait_finished(deadline), Timeout, "checkpoint step ", step,
+             ": the save of step ", current->step, " did not finish within ",
+             options.timeout.count(), " ms");
+  current.reset();
+  return nullptr;
+}
+
+std::shared_ptr<SaveHandle::Job> Checkpointer::Impl::stage(int64_t step, const State& state,
+                                                           FilePlan plan) {
+  auto job = std::make_shared<Job>();
+  job->step = step;
+  last_step = step;
   const bool on_device = std::any_of(plan.pieces.begin(), plan.pieces.end(), [&](const auto& p) {
     return state.tensors[p.entry].tensor.is_cuda();
   });
-  if (plan.file_bytes > m.staging.size() || (on_device && !m.staging_pin_asked)) {
+  if (plan.file_bytes > staging.size() || (on_device && !staging_pin_asked)) {
     // Allocated once and reused; pinned once a CUDA tensor is saved (DMA straight into it).
-    const bool pin = on_device || m.staging_pin_asked;
-    m.staging = internal::HostBuffer();
-    m.staging = internal::HostBuffer(std::max<size_t>(plan.file_bytes, 1), pin);
-    m.staging_pin_asked = pin;
+    const bool pin = on_device || staging_pin_asked;
+    staging = internal::HostBuffer();
+    staging = internal::HostBuffer(std::max<size_t>(plan.file_bytes, 1), pin);
+    staging_pin_asked = pin;
   }
-  job->staging = m.staging.data();
+  job->staging = staging.data();
 
   // This rank's report: its file, one record per tensor it describes, pieces in plan order.
   Manifest& report = job->report;
   report.step = step;
-  report.world_size = m.options.world_size;
-  report.files.push_back({data_file_name(m.options.rank), m.options.rank, plan.file_bytes});
-  if (m.options.rank == 0) report.blobs = state.blobs;
+  report.world_size = options.world_size;
+  report.files.push_back({data_file_name(options.rank), options.rank, plan.file_bytes});
+  if (options.rank == 0) report.blobs = state.blobs;
   size_t next_piece = 0;
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     const TensorEntry& e = state.tensors[i];
-    if (e.sharding.kind == Sharding::Kind::kReplicated && m.options.rank != 0) continue;
+    if (e.sharding.kind == Sharding::Kind::kReplicated && options.rank != 0) continue;
     Region region = region_of(e);
     TensorRecord record{e.name,
                         dtype_name(e.tensor.scalar_type()),
@@ -575,8 +637,8 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
     if (next_piece < plan.pieces.size() && plan.pieces[next_piece].entry == i) {
       const PlannedPiece& p = plan.pieces[next_piece++];
       const uint64_t es = e.tensor.element_size();
-      const uint64_t chunk = std::max<uint64_t>(es, m.options.hash_chunk_bytes / es * es);
-      record.pieces.push_back({data_file_name(m.options.rank),
+      const uint64_t chunk = std::max<uint64_t>(es, options.hash_chunk_bytes / es * es);
+      record.pieces.push_back({data_file_name(options.rank),
                                p.region.begin,
                                p.region.end,
                                p.offset,
@@ -591,18 +653,31 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
   // CUDA pieces start copying now, on the side stream, whether or not the copy is deferred.
   for (size_t i = 0; i < job->pending.size(); ++i) {
     if (!job->pending[i].is_cuda()) continue;
-    if (!m.stager) m.stager = internal::new_device_stager();
-    m.stager->copy_to_host(job->pending[i], job->staging + plan.pieces[i].offset);
+    if (!stager) stager = internal::new_device_stager();
+    stager->copy_to_host(job->pending[i], job->staging + plan.pieces[i].offset);
   }
-  if (m.stager) job->fence = m.stager->fence();
+  if (stager) job->fence = stager->fence();
   job->plan = std::move(plan);
-  if (!save_options.defer_copy) job->copy();
-  m.current = job;
+  return job;
+}
+
+void Checkpointer::Impl::enqueue(const std::shared_ptr<Job>& job) {
+  current = job;
   {
-    std::lock_guard<std::mutex> lock(m.mutex);
-    m.queued = job;
+    std::lock_guard<std::mutex> lock(mutex);
+    queued = job;
   }
-  m.wake.notify_all();
+  wake.notify_all();
+}
+
+SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOptions& save_options) {
+  Impl& m = *impl_;
+  FilePlan plan = m.validate(step, state);
+  if (auto skipped = m.make_room(step)) return SaveHandle(skipped);
+  std::shared_ptr<SaveHandle::Job> job = m.stage(step, state, std::move(plan));
+  m.enqueue(job);
+  // The writer hashes and writes behind the copy, block by block.
+  if (!save_options.defer_copy) job->copy();
   return SaveHandle(job);
 }
 
@@ -619,10 +694,10 @@ void Checkpointer::before_optimizer_step() {
 std::vector<CheckpointInfo> Checkpointer::list() const {
   impl_->wait_retention();
   std::vector<CheckpointInfo> out;
-  for (int64_t step : committed_steps(impl_->options.dir)) {
+  for (int64_t step : committed_steps(*impl_->storage, impl_->options.dir)) {
     const auto dir = impl_->step_dir(step);
     try {
-      Manifest m = read_manifest(dir);
+      Manifest m = read_manifest(*impl_->storage, dir);
       out.push_back({step, dir, m.data_bytes(), m.world_size});
     } catch (const Error& e) {
       impl_->log->warn("checkpoint {}: unreadable manifest: {}", dir.string(), e.what());
@@ -633,24 +708,25 @@ std::vector<CheckpointInfo> Checkpointer::list() const {
 
 std::optional<int64_t> Checkpointer::latest() const {
   impl_->wait_retention();
-  auto steps = committed_steps(impl_->options.dir);
+  auto steps = committed_steps(*impl_->storage, impl_->options.dir);
   if (steps.empty()) return std::nullopt;
   return steps.back();
 }
 
 void Checkpointer::verify(int64_t step) const {
   const auto dir = impl_->step_dir(step);
-  StepReader reader(impl_->storage, dir, read_manifest(dir));
+  StepReader reader(impl_->storage, dir, read_manifest(*impl_->storage, dir),
+                    impl_->read_options());
   reader.verify_all();
 }
 
 int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOptions& load_options) {
   wait_retention();
   const auto dir = step_dir(step);
-  LOOM_CHECK(std::filesystem::exists(dir / kManifestName), IoError, "checkpoint step ", step,
+  LOOM_CHECK(storage->exists(dir / kManifestName), IoError, "checkpoint step ", step,
              " is not committed in ", options.dir.string(), " (no ", (dir / kManifestName).string(),
              ")");
-  Manifest manifest = read_manifest(dir);
+  Manifest manifest = read_manifest(*storage, dir);
   std::vector<std::string> differences;
   std::vector<std::pair<const TensorRecord*, Region>> plan;
   std::set<std::string> asked;
@@ -706,13 +782,23 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
                                          dir.string(), ": ", differences.size(),
                                          " difference(s) from the state asked for:", list));
   }
-  StepReader reader(storage, dir, std::move(manifest));
+  StepReader reader(storage, dir, std::move(manifest), read_options());
   at::NoGradGuard no_grad;
+  // Contiguous CPU tensors are read straight into place, all in one pipeline.
+  std::vector<StepReader::Request> in_place;
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     at::Tensor& t = state.tensors[i].tensor;
     const auto& [record, region] = plan[i];
-    const bool direct = t.device().is_cpu() && t.is_contiguous();
-    at::Tensor target = t;
+    if (t.device().is_cpu() && t.is_contiguous())
+      in_place.push_back({record, region.begin, region.end, static_cast<char*>(t.data_ptr())});
+  }
+  reader.read(in_place, load_options.verify);
+  // The others one at a time through a host tensor.
+  for (size_t i = 0; i < state.tensors.size(); ++i) {
+    at::Tensor& t = state.tensors[i].tensor;
+    if (t.device().is_cpu() && t.is_contiguous()) continue;
+    const auto& [record, region] = plan[i];
+    at::Tensor target;
     if (t.is_cuda()) {
       // Through the reused pinned buffer: the host-to-device copy below is one DMA.
       const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
@@ -721,12 +807,12 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
         load_buffer = internal::HostBuffer(bytes, /*pinned=*/true);
       }
       target = at::from_blob(load_buffer.data(), t.sizes(), t.options().device(at::kCPU));
-    } else if (!direct) {
+    } else {
       target = at::empty(t.sizes(), t.options().device(at::kCPU));
     }
     reader.read(*record, region.begin, region.end, static_cast<char*>(target.data_ptr()),
                 load_options.verify);
-    if (!direct) t.copy_(target);
+    t.copy_(target);
   }
   for (auto& [name, text] : state.blobs) text = reader.manifest().blobs.at(name);
   return step;
@@ -744,7 +830,7 @@ int64_t Checkpointer::load(int64_t step, State& state, const LoadOptions& option
 
 int64_t Checkpointer::load_latest_valid(State& state, const LoadOptions& options) {
   impl_->wait_retention();
-  auto steps = committed_steps(impl_->options.dir);
+  auto steps = committed_steps(*impl_->storage, impl_->options.dir);
   LOOM_CHECK(!steps.empty(), IoError, "no committed checkpoint in ", impl_->options.dir.string());
   std::exception_ptr newest_error;
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ckpt/device_copy.h"
+#include "ckpt/host_pages.h"
 #include "comm/cuda_stream.h"
 #include "loom/error.h"
 
@@ -111,7 +112,7 @@ HostBuffer::HostBuffer(size_t bytes, bool pinned) {
     pinned_ = true;
   } else {
     cudaGetLastError();  // a refused pin is not an error: ordinary memory still works
-    data_ = static_cast<char*>(std::aligned_alloc(kAlignment, rounded));
+    data_ = allocate_pages(rounded);
   }
   LOOM_CHECK(data_ != nullptr, IoError, "cannot allocate ", rounded,
              " bytes of checkpoint staging memory");

@@ -2,6 +2,7 @@
 #include <cstdlib>
 
 #include "ckpt/device_copy.h"
+#include "ckpt/host_pages.h"
 #include "loom/error.h"
 
 namespace loom::ckpt::internal {
@@ -13,7 +14,7 @@ constexpr size_t kAlignment = 4096;
 
 HostBuffer::HostBuffer(size_t bytes, bool /*pinned: no CUDA to pin with*/) {
   const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-  data_ = static_cast<char*>(std::aligned_alloc(kAlignment, rounded));
+  data_ = allocate_pages(rounded);
   LOOM_CHECK(data_ != nullptr, IoError, "cannot allocate ", rounded,
              " bytes of checkpoint staging memory");
   size_ = rounded;

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "ckpt/storage.h"
 #include "loom/error.h"
 #include "util/files.h"
 #include "util/hash.h"
@@ -223,9 +224,17 @@ Manifest parse_manifest(const std::string& text, const std::string& what) {
   }
 }
 
-Manifest read_manifest(const std::filesystem::path& step_dir) {
+Manifest read_manifest(Storage& storage, const std::filesystem::path& step_dir) {
   const auto path = step_dir / kManifestName;
-  return parse_manifest(util::read_file(path), path.string());
+  auto file = storage.open(path);
+  std::string text(file->size(), '\0');
+  LOOM_CHECK(read_exact(*file, 0, text.data(), text.size()), IoError, "reading ", path,
+             ": the file ended early (it changed while being read)");
+  return parse_manifest(text, path.string());
+}
+
+Manifest read_manifest(const std::filesystem::path& step_dir) {
+  return read_manifest(*posix_storage(), step_dir);
 }
 
 Manifest merge_reports(int64_t step, const std::vector<Manifest>& reports) {
@@ -271,26 +280,49 @@ Manifest merge_reports(int64_t step, const std::vector<Manifest>& reports) {
   return m;
 }
 
-std::vector<int64_t> committed_steps(const std::filesystem::path& dir) {
-  std::vector<int64_t> steps;
-  std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
-    auto step = parse_step_dir_name(entry.path().filename().string());
-    if (step && std::filesystem::exists(entry.path() / kManifestName)) steps.push_back(*step);
+namespace {
+
+struct StepDir {
+  int64_t step;
+  std::string name;
+  bool committed;  // holds a manifest
+  bool operator<(const StepDir& other) const { return step < other.step; }
+};
+
+// Step directories under dir, ascending by step.
+std::vector<StepDir> step_dirs(Storage& storage, const std::filesystem::path& dir) {
+  std::vector<StepDir> steps;
+  for (const std::string& name : storage.list(dir)) {
+    if (auto step = parse_step_dir_name(name))
+      steps.push_back({*step, name, storage.exists(dir / name / kManifestName)});
   }
   std::sort(steps.begin(), steps.end());
   return steps;
 }
 
-std::vector<std::filesystem::path> uncommitted_dirs(const std::filesystem::path& dir) {
+}  // namespace
+
+std::vector<int64_t> committed_steps(Storage& storage, const std::filesystem::path& dir) {
+  std::vector<int64_t> steps;
+  for (const StepDir& d : step_dirs(storage, dir))
+    if (d.committed) steps.push_back(d.step);
+  return steps;
+}
+
+std::vector<int64_t> committed_steps(const std::filesystem::path& dir) {
+  return committed_steps(*posix_storage(), dir);
+}
+
+std::vector<std::filesystem::path> uncommitted_dirs(Storage& storage,
+                                                    const std::filesystem::path& dir) {
   std::vector<std::filesystem::path> dirs;
-  std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
-    auto step = parse_step_dir_name(entry.path().filename().string());
-    if (step && !std::filesystem::exists(entry.path() / kManifestName))
-      dirs.push_back(entry.path());
-  }
+  for (const StepDir& d : step_dirs(storage, dir))
+    if (!d.committed) dirs.push_back(dir / d.name);
   return dirs;
+}
+
+std::vector<std::filesystem::path> uncommitted_dirs(const std::filesystem::path& dir) {
+  return uncommitted_dirs(*posix_storage(), dir);
 }
 
 }  // namespace loom::ckpt

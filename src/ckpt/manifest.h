@@ -81,7 +81,11 @@ struct Manifest {
 std::string to_json(const Manifest& manifest);
 // Parses to_json's form; anything else is CorruptData naming `what` (usually the path).
 Manifest parse_manifest(const std::string& text, const std::string& what);
-// Reads <step_dir>/manifest.json: IoError when missing, CorruptData when malformed.
+class Storage;
+
+// Reads <step_dir>/manifest.json: IoError when missing, CorruptData when malformed. Without a
+// storage, through posix_storage().
+Manifest read_manifest(Storage& storage, const std::filesystem::path& step_dir);
 Manifest read_manifest(const std::filesystem::path& step_dir);
 
 // Merges the ranks' reports into one manifest: pieces of the same tensor joined and sorted,
@@ -89,9 +93,14 @@ Manifest read_manifest(const std::filesystem::path& step_dir);
 // some piece. Disagreement is InvalidArgument naming the tensor and the ranks.
 Manifest merge_reports(int64_t step, const std::vector<Manifest>& reports);
 
-// Steps under dir whose directory holds a manifest, ascending. A missing dir has none.
+// Steps under dir whose directory holds a manifest, ascending. A missing dir has none. Listing
+// and existence checks go through the storage (posix_storage() without one), so that its
+// faults reach them.
+std::vector<int64_t> committed_steps(Storage& storage, const std::filesystem::path& dir);
 std::vector<int64_t> committed_steps(const std::filesystem::path& dir);
-// Step directories under dir without a manifest (partial saves), as paths.
+// Step directories under dir without a manifest (partial saves), as paths, ascending by step.
+std::vector<std::filesystem::path> uncommitted_dirs(Storage& storage,
+                                                    const std::filesystem::path& dir);
 std::vector<std::filesystem::path> uncommitted_dirs(const std::filesystem::path& dir);
 
 }  // namespace loom::ckpt

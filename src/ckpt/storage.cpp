@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <system_error>
+#include <vector>
 
 #include "loom/error.h"
 #include "util/fd.h"
@@ -30,12 +31,12 @@ class PosixWritableFile final : public WritableFile {
     return LOOM_CHECK_SYS(::open(path.c_str(), flags, 0644), "creating ", path);
   }
 
-  size_t write(const void* data, size_t size) override {
+  size_t write_at(uint64_t offset, const void* data, size_t size) override {
     ssize_t n;
     do {
-      n = ::write(fd_.get(), data, size);
+      n = ::pwrite(fd_.get(), data, size, static_cast<off_t>(offset));
     } while (n == -1 && errno == EINTR);
-    LOOM_CHECK_SYS(n, "writing ", path_);
+    LOOM_CHECK_SYS(n, "writing ", path_, " at offset ", offset);
     return static_cast<size_t>(n);
   }
 
@@ -61,9 +62,19 @@ class PosixWritableFile final : public WritableFile {
 
 class PosixReadableFile final : public ReadableFile {
  public:
-  explicit PosixReadableFile(const std::filesystem::path& path)
-      : path_(path),
-        fd_(LOOM_CHECK_SYS(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "opening ", path)) {}
+  PosixReadableFile(const std::filesystem::path& path, bool direct)
+      : path_(path), direct_(direct), fd_(open_for_reading(path, direct_)) {}
+
+  static int open_for_reading(const std::filesystem::path& path, bool& direct) {
+    const int flags = O_RDONLY | O_CLOEXEC;
+    if (direct) {
+      int fd = ::open(path.c_str(), flags | O_DIRECT);
+      if (fd >= 0) return fd;
+      if (errno != EINVAL) LOOM_CHECK_SYS(fd, "opening ", path);
+      direct = false;  // the file system refuses O_DIRECT: buffered reads
+    }
+    return LOOM_CHECK_SYS(::open(path.c_str(), flags), "opening ", path);
+  }
 
   size_t read_at(uint64_t offset, void* data, size_t size) override {
     ssize_t n;
@@ -82,12 +93,16 @@ class PosixReadableFile final : public ReadableFile {
 
   void will_need(uint64_t offset, uint64_t size) override {
     // Only a hint: the reads that follow report any real failure.
+    if (direct_) return;  // the page cache is not used
     (void)::posix_fadvise(fd_.get(), static_cast<off_t>(offset), static_cast<off_t>(size),
                           POSIX_FADV_WILLNEED);
   }
 
+  bool direct() const override { return direct_; }
+
  private:
   std::filesystem::path path_;
+  bool direct_;
   util::UniqueFd fd_;
 };
 
@@ -96,8 +111,8 @@ class PosixStorage final : public Storage {
   std::unique_ptr<WritableFile> create(const std::filesystem::path& path, bool direct) override {
     return std::make_unique<PosixWritableFile>(path, direct);
   }
-  std::unique_ptr<ReadableFile> open(const std::filesystem::path& path) override {
-    return std::make_unique<PosixReadableFile>(path);
+  std::unique_ptr<ReadableFile> open(const std::filesystem::path& path, bool direct) override {
+    return std::make_unique<PosixReadableFile>(path, direct);
   }
   void rename(const std::filesystem::path& from, const std::filesystem::path& to) override {
     LOOM_CHECK_SYS(::rename(from.c_str(), to.c_str()), "renaming ", from, " to ", to);
@@ -118,6 +133,23 @@ class PosixStorage final : public Storage {
     std::filesystem::remove_all(path, error);
     if (error) throw IoError(detail::concat("removing ", path, ": ", error.message()));
   }
+  bool exists(const std::filesystem::path& path) override {
+    std::error_code error;
+    const bool found = std::filesystem::exists(path, error);
+    if (error)
+      throw IoError(detail::concat("checking whether ", path, " exists: ", error.message()));
+    return found;
+  }
+  std::vector<std::string> list(const std::filesystem::path& dir) override {
+    std::vector<std::string> names;
+    std::error_code error;
+    std::filesystem::directory_iterator it(dir, error);
+    if (error == std::errc::no_such_file_or_directory) return names;
+    for (; !error && it != std::filesystem::directory_iterator(); it.increment(error))
+      names.push_back(it->path().filename().string());
+    if (error) throw IoError(detail::concat("listing ", dir, ": ", error.message()));
+    return names;
+  }
 };
 
 }  // namespace
@@ -127,11 +159,12 @@ std::shared_ptr<Storage> posix_storage() {
   return storage;
 }
 
-void write_all(WritableFile& file, const void* data, size_t size) {
+void write_all_at(WritableFile& file, uint64_t offset, const void* data, size_t size) {
   const char* bytes = static_cast<const char*>(data);
   while (size > 0) {
-    size_t n = file.write(bytes, size);
+    size_t n = file.write_at(offset, bytes, size);
     bytes += n;
+    offset += n;
     size -= n;
   }
 }

@@ -4,7 +4,9 @@
 //
 //   loom_ckpt_writer <ckpt_dir> <store_dir> <rank> <world> <saves>
 //
-// Continues after the newest committed step; prints "committed <step>" after each save.
+// Continues after the newest committed step; prints "saving <step>" before each save() and
+// "committed <step>" once its wait() returned, so that a test that kills it can tell whether
+// the kill landed inside a save and which step was last reported committed.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -52,6 +54,8 @@ int main(int argc, char** argv) {
                 loom::ckpt::Sharding::rows({kRows, kCols}, begin, end));
       state.add("scalar", torch::full({1}, step, torch::kInt64));
       state.blobs["trainer"] = "{\"step\":" + std::to_string(step) + "}";
+      std::printf("saving %lld\n", static_cast<long long>(step));
+      std::fflush(stdout);
       auto handle = ckpt.save(step, state, {.defer_copy = step % 2 == 0});
       ckpt.before_optimizer_step();
       handle.wait(std::chrono::seconds(60));

@@ -57,11 +57,15 @@ struct CheckpointerOptions {
   // Deadline for the cross-rank steps of a save (reports, commit) and for a save() that
   // waits for the previous one. Passing it fails the save with Timeout.
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
-  size_t write_bytes = size_t{8} << 20;  // bytes per write() call of the writer thread
-                                         // (a multiple of 4 KiB for direct_io)
-  // Write data files with O_DIRECT straight from the staging buffer: no copy into the page
-  // cache, which on these VMs costs more than the disk itself. Falls back to buffered writes
-  // (with early writeback) where the file system refuses O_DIRECT (tmpfs).
+  size_t write_bytes = size_t{8} << 20;  // bytes per write (and per read at load) of the I/O
+                                         // threads (a multiple of 4 KiB)
+  // Writes (at save) and reads (at load) in flight at once, each on its own I/O thread, while
+  // the writer thread hashes the next bytes (the loading thread: checks and copies the last).
+  int io_threads = 2;
+  // Write and read data files with O_DIRECT, straight from the staging buffer: no copy into the
+  // page cache, which on these VMs costs more than the disk itself. Falls back to buffered I/O
+  // (with early writeback) where the file system refuses O_DIRECT (tmpfs). Reads of less than
+  // 256 KiB always go through the page cache.
   bool direct_io = true;
   size_t hash_chunk_bytes = size_t{4} << 20;  // bytes per hashed chunk: the unit a partial
                                               // read must fetch to verify what it reads

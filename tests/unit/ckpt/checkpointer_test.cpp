@@ -9,7 +9,11 @@
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <malloc.h>
+#include <atomic>
+#include <cerrno>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -372,6 +376,121 @@ TEST(CheckpointerFaults, FailedRenameSurfacesFromEveryRanksWait) {
       2, 1, [](auto& s) { s.fail_rename = true; }, "rename");
 }
 
+// Rank 0's commit points, in the order it reaches them.
+enum class CommitPoint { kManifestWrite, kManifestFsync, kRename, kDirectoryFsync };
+
+// Fails `point` on rank 0 while 3 ranks (threads) save step 2 over a committed step 1: every
+// rank's wait() raises, rank 0 its own error and the others naming it, and step 1 stays the
+// newest, on disk and for every rank. The next save commits and removes step 2's files.
+void expect_commit_point_failure_keeps_previous_newest(CommitPoint point) {
+  using Op = testing::FaultyStorage::Op;
+  TempDir dir;
+  Globals g;
+  constexpr int kWorld = 3;
+  const std::filesystem::path step2 = dir / "step_00000002";
+  std::vector<std::string> messages(kWorld);
+  std::atomic<bool> armed{false}, manifest_renamed{false};
+  auto fault = [&](Op op, const std::filesystem::path& path) -> int {
+    if (!armed) return 0;
+    const std::string name = path.filename().string();
+    switch (point) {
+      case CommitPoint::kManifestWrite:
+        return op == Op::kWrite && name == ".manifest.json.tmp" ? EIO : 0;
+      case CommitPoint::kManifestFsync:
+        return op == Op::kSync && name == ".manifest.json.tmp" ? EIO : 0;
+      case CommitPoint::kRename:
+        return op == Op::kRename && name == "manifest.json" ? EIO : 0;
+      case CommitPoint::kDirectoryFsync:
+        if (op == Op::kRename && name == "manifest.json") manifest_renamed = true;
+        return op == Op::kSyncDir && manifest_renamed ? EIO : 0;
+    }
+    return 0;
+  };
+  expect_all_ok(run_threads(kWorld, [&](loom::testing::Rank& r) {
+    auto storage = std::make_shared<testing::FaultyStorage>();
+    if (r.rank == 0) storage->fault = fault;
+    Checkpointer ckpt(r.store, options_for(dir.path(), r.rank, r.world), storage);
+    ckpt.save_sync(1, state_for(g, r.rank, r.world));
+    if (r.rank == 0) armed = true;  // rank 0 commits step 2 only after its own save() below
+    SaveHandle h = ckpt.save(2, state_for(g, r.rank, r.world));
+    messages[r.rank] = error_of<IoError>([&] { h.wait(std::chrono::seconds(30)); });
+    EXPECT_EQ(ckpt.latest(), 1);
+    State loaded = state_for(g, r.rank, r.world, /*copy=*/false);
+    loaded.blobs["trainer"] = "";
+    EXPECT_EQ(ckpt.load(loaded), 1);
+    expect_equal_state(loaded, state_for(g, r.rank, r.world));
+  }));
+  const std::map<CommitPoint, std::pair<Op, std::filesystem::path>> failed = {
+      {CommitPoint::kManifestWrite, {Op::kWrite, step2 / ".manifest.json.tmp"}},
+      {CommitPoint::kManifestFsync, {Op::kSync, step2 / ".manifest.json.tmp"}},
+      {CommitPoint::kRename, {Op::kRename, step2 / "manifest.json"}},
+      {CommitPoint::kDirectoryFsync, {Op::kSyncDir, step2}},
+  };
+  const auto& [op, path] = failed.at(point);
+  const std::string cause = testing::FaultyStorage::injected_message(op, path, EIO);
+  EXPECT_EQ(messages[0], cause);
+  for (int r = 1; r < kWorld; ++r)
+    EXPECT_EQ(messages[r], "checkpoint step 2 was not committed: rank 0 could not commit: " + cause)
+        << "rank " << r;
+  EXPECT_EQ(committed_steps(dir.path()), std::vector<int64_t>{1});
+  EXPECT_FALSE(std::filesystem::exists(step2 / "manifest.json"));
+
+  armed = false;
+  expect_all_ok(run_threads(kWorld, [&](loom::testing::Rank& r) {
+    Checkpointer ckpt(r.store, options_for(dir.path(), r.rank, r.world));
+    ckpt.save_sync(3, state_for(g, r.rank, r.world));
+  }));
+  EXPECT_EQ(committed_steps(dir.path()), (std::vector<int64_t>{1, 3}));
+  EXPECT_FALSE(std::filesystem::exists(step2));
+}
+
+TEST(CheckpointerFaults, AFailedManifestWriteKeepsThePreviousStepNewestOnEveryRank) {
+  expect_commit_point_failure_keeps_previous_newest(CommitPoint::kManifestWrite);
+}
+
+TEST(CheckpointerFaults, AFailedManifestFsyncKeepsThePreviousStepNewestOnEveryRank) {
+  expect_commit_point_failure_keeps_previous_newest(CommitPoint::kManifestFsync);
+}
+
+TEST(CheckpointerFaults, AFailedManifestRenameKeepsThePreviousStepNewestOnEveryRank) {
+  expect_commit_point_failure_keeps_previous_newest(CommitPoint::kRename);
+}
+
+TEST(CheckpointerFaults, AFailedDirectoryFsyncAfterTheRenameKeepsThePreviousStepNewest) {
+  expect_commit_point_failure_keeps_previous_newest(CommitPoint::kDirectoryFsync);
+}
+
+// Listing and existence checks go through the storage seam, so its faults reach them.
+TEST(CheckpointerFaults, ListingAndExistenceChecksGoThroughTheStorage) {
+  using Op = testing::FaultyStorage::Op;
+  TempDir dir;
+  comm::InMemoryStore store;
+  auto storage = std::make_shared<testing::FaultyStorage>();
+  std::atomic<int> failing_op{-1};
+  storage->fault = [&](Op op, const std::filesystem::path&) {
+    return static_cast<int>(op) == failing_op ? EIO : 0;
+  };
+  Checkpointer ckpt(store, {.dir = dir.path()}, storage);
+  State s;
+  s.add("w", torch::ones({4}));
+  ckpt.save_sync(1, s);
+  EXPECT_EQ(ckpt.latest(), 1);  // retention has run: the faults below reach the calls below
+  failing_op = static_cast<int>(Op::kList);
+  EXPECT_EQ(error_of<IoError>([&] { ckpt.latest(); }),
+            testing::FaultyStorage::injected_message(Op::kList, dir.path(), EIO));
+  failing_op = static_cast<int>(Op::kExists);
+  EXPECT_EQ(error_of<IoError>([&] { ckpt.save(2, s); }),
+            testing::FaultyStorage::injected_message(Op::kExists,
+                                                     dir / "step_00000002" / "manifest.json", EIO));
+  State loaded;
+  loaded.add("w", torch::zeros({4}));
+  EXPECT_EQ(error_of<IoError>([&] { ckpt.load(1, loaded); }),
+            testing::FaultyStorage::injected_message(Op::kExists,
+                                                     dir / "step_00000001" / "manifest.json", EIO));
+  failing_op = -1;
+  EXPECT_EQ(ckpt.load(loaded), 1);
+}
+
 TEST(CheckpointerFaults, ARankThatNeverSavesIsATimeoutNotAHang) {
   TempDir dir;
   expect_all_ok(run_threads(2, [&](loom::testing::Rank& r) {
@@ -510,6 +629,51 @@ TEST(Checkpointer, FiftyAsyncSavesKeepResidentMemoryFlat) {
   EXPECT_LT(after_all - after_first, 8 * 1024) << "resident memory grew over 48 saves";
   EXPECT_EQ(ckpt.latest(), 50);
   EXPECT_EQ(store.check({"ckpt/50/commit"}), false) << "store keys are cleaned up";
+}
+
+// Bytes the C heap has handed out and not taken back: small blocks in every arena plus
+// mmapped blocks (the staging buffer is one).
+int64_t heap_bytes() {
+  const struct mallinfo2 info = ::mallinfo2();
+  return static_cast<int64_t>(info.uordblks + info.hblkhd);
+}
+
+// The bound: 200 saves, copied at once and deferred in turn, with retention, grow
+// neither the heap nor the resident set by 1 MiB once warmed up (staging, I/O threads and
+// the store's keys are reused or removed).
+TEST(Checkpointer, TwoHundredSavesGrowNeitherHeapNorResidentSetByOneMiB) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, {.dir = dir.path(), .keep_last = 2});
+  torch::Tensor w = torch::randn({1 << 20});  // 4 MiB
+  State s;
+  s.add("w", w);
+  s.add("b", torch::randn({1000}));
+  s.blobs["step"] = "0";
+  constexpr int kWarmUp = 20, kSaves = 200;
+  int64_t heap_before = 0, resident_before = 0;
+  for (int step = 1; step <= kWarmUp + kSaves; ++step) {
+    s.blobs["step"] = std::to_string(step);
+    SaveHandle h = ckpt.save(step, s, {.defer_copy = step % 2 == 0});
+    ckpt.before_optimizer_step();
+    w.add_(1);
+    h.wait(std::chrono::seconds(60));
+    ckpt.latest();  // waits for retention
+    if (step == kWarmUp) {
+      heap_before = heap_bytes();
+      resident_before = resident_kib() * 1024;
+    }
+  }
+  const int64_t heap_growth = heap_bytes() - heap_before;
+  const int64_t resident_growth = resident_kib() * 1024 - resident_before;
+  std::printf("%d saves of 4 MiB after %d to warm up: heap grew %lld bytes, resident set %lld\n",
+              kSaves, kWarmUp, static_cast<long long>(heap_growth),
+              static_cast<long long>(resident_growth));
+  EXPECT_LT(heap_growth, 1 << 20);
+  EXPECT_LT(resident_growth, 1 << 20);
+  EXPECT_EQ(ckpt.latest(), kWarmUp + kSaves);
+  EXPECT_EQ(ckpt.list().size(), 2u);
+  EXPECT_FALSE(store.check({"ckpt/220/commit"})) << "store keys are cleaned up";
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "loom/comm/store.h"
 #include "loom/error.h"
 #include "util/files.h"
+#include "util/hash.h"
 
 namespace loom::ckpt {
 namespace {
@@ -227,12 +228,128 @@ TEST(Reader, ARankReadsOnlyTheBytesItNeeds) {
   Checkpointer ckpt(store, {.dir = dir.path(), .rank = 1, .world_size = 4}, storage);
   State s;
   s.add("w", torch::zeros({n / 4}), Sharding::flat({n}, n / 4 + 10, n / 2 + 10));
+  // The manifest is read through the storage too.
+  const auto manifest_bytes =
+      static_cast<int64_t>(std::filesystem::file_size(dir / "step_00000001" / "manifest.json"));
   ckpt.load(s);
-  EXPECT_LE(storage->bytes_read.load(), n + 2 * (64 << 10));
-  EXPECT_GE(storage->bytes_read.load(), n);
+  EXPECT_LE(storage->bytes_read.load(), manifest_bytes + n + 2 * (64 << 10));
+  EXPECT_GE(storage->bytes_read.load(), manifest_bytes + n);
   storage->bytes_read = 0;
   ckpt.load(1, s, {.verify = false});
-  EXPECT_EQ(storage->bytes_read.load(), n);  // exactly the wanted bytes
+  EXPECT_EQ(storage->bytes_read.load(), manifest_bytes + n);  // exactly the wanted bytes
+}
+
+// The read pipeline with every relation of chunk size to read size (chunks inside one read,
+// a chunk spanning several reads), reads on the I/O threads (>= 256 KiB) and inline, direct and
+// buffered, whole and resharded: bitwise what was saved.
+TEST(Reader, PipelinedReadsReturnExactlyTheSavedBytes) {
+  torch::manual_seed(3);
+  const torch::Tensor big = torch::randn({(3 << 20) / 4 + 777});  // ~3 MiB, not a 4 KiB multiple
+  const torch::Tensor small = torch::arange(3000, torch::kInt16);
+  struct Sizes {
+    size_t chunk, read;
+  };
+  for (const Sizes sizes : {Sizes{64 << 10, 1 << 20}, Sizes{1 << 20, 256 << 10},
+                            Sizes{1000, 256 << 10}, Sizes{4 << 20, 8 << 20}}) {
+    SCOPED_TRACE(::testing::Message() << "chunk " << sizes.chunk << ", read " << sizes.read);
+    TempDir dir;
+    comm::InMemoryStore store;
+    const CheckpointerOptions options{
+        .dir = dir.path(), .write_bytes = sizes.read, .hash_chunk_bytes = sizes.chunk};
+    {
+      Checkpointer ckpt(store, options);
+      State s;
+      s.add("big", big.clone());
+      s.add("small", small.clone());
+      ckpt.save_sync(1, s);
+    }
+    for (bool verify : {true, false}) {
+      Checkpointer ckpt(store, options);
+      State whole;
+      whole.add("big", torch::zeros_like(big));
+      whole.add("small", torch::zeros_like(small));
+      ckpt.load(1, whole, {.verify = verify});
+      EXPECT_TRUE(torch::equal(whole.tensors[0].tensor, big));
+      EXPECT_TRUE(torch::equal(whole.tensors[1].tensor, small));
+      // Rank 1 of 3: a slice that starts and ends inside chunks.
+      const int64_t n = big.numel(), b = n / 3 + 5, e = 2 * n / 3 - 3;
+      Checkpointer rank1(store, {.dir = dir.path(),
+                                 .rank = 1,
+                                 .world_size = 3,
+                                 .write_bytes = sizes.read,
+                                 .hash_chunk_bytes = sizes.chunk});
+      State part;
+      part.add("big", torch::zeros({e - b}), Sharding::flat({n}, b, e));
+      rank1.load(1, part, {.verify = verify, .leave_out = {"small"}});
+      EXPECT_TRUE(torch::equal(part.tensors[0].tensor, big.slice(0, b, e)));
+    }
+  }
+}
+
+// A corrupt byte is found and named the same way whether its chunk spans several reads
+// (hashed by the loading thread) or lies inside one (hashed on an I/O thread).
+TEST(Reader, ACorruptChunkIsCorruptDataWhereverItIsHashed) {
+  struct Sizes {
+    uint64_t chunk, read;
+  };
+  for (const Sizes sizes : {Sizes{1 << 20, 256 << 10}, Sizes{64 << 10, 256 << 10}}) {
+    SCOPED_TRACE(::testing::Message() << "chunk " << sizes.chunk << ", read " << sizes.read);
+    TempDir dir;
+    comm::InMemoryStore store;
+    const CheckpointerOptions options{
+        .dir = dir.path(), .write_bytes = sizes.read, .hash_chunk_bytes = sizes.chunk};
+    const torch::Tensor w = torch::arange((2 << 20) / 4, torch::kFloat32);  // 2 MiB
+    {
+      Checkpointer ckpt(store, options);
+      State s;
+      s.add("w", w);
+      ckpt.save_sync(1, s);
+    }
+    const auto file = dir / "step_00000001" / "rank_00000.data";
+    const Manifest manifest = read_manifest(dir / "step_00000001");
+    const Piece& piece = manifest.find("w")->pieces[0];
+    const uint64_t bad = piece.offset + (1 << 20) + 700 * 1024;
+    flip_byte(file, static_cast<off_t>(bad));
+    // The chunk holding the flipped byte, as it now is on disk, and its hash.
+    const uint64_t c = (bad - piece.offset) / sizes.chunk;
+    const uint64_t begin = piece.offset + c * sizes.chunk, end = begin + sizes.chunk;
+    const std::string bytes = util::read_file(file).substr(begin, sizes.chunk);
+    const std::string expected = "checkpoint step 1: tensor \"w\" is corrupt in file " +
+                                 file.string() + ": bytes [" + std::to_string(begin) + ", " +
+                                 std::to_string(end) + ") hash to " +
+                                 util::hash_hex(util::xxh64(bytes)) + ", the manifest says " +
+                                 util::hash_hex(piece.chunk_hashes[c]) +
+                                 ". Load an earlier step (load_latest_valid) or restore the file.";
+    Checkpointer ckpt(store, options);
+    State s;
+    s.add("w", torch::zeros_like(w));
+    EXPECT_EQ(error_of<CorruptData>([&] { ckpt.load(s); }), expected);
+    EXPECT_EQ(error_of<CorruptData>([&] { ckpt.verify(1); }), expected);
+  }
+}
+
+// A read failing on an I/O thread is raised by load() as it is.
+TEST(Reader, AReadFailureOnAnIoThreadIsRaisedByLoad) {
+  using Op = testing::FaultyStorage::Op;
+  TempDir dir;
+  comm::InMemoryStore store;
+  const torch::Tensor w = torch::randn({1 << 20});
+  {
+    Checkpointer ckpt(store, {.dir = dir.path()});
+    State s;
+    s.add("w", w);
+    ckpt.save_sync(1, s);
+  }
+  auto storage = std::make_shared<testing::FaultyStorage>();
+  const auto file = dir / "step_00000001" / "rank_00000.data";
+  storage->fault = [&](Op op, const std::filesystem::path& path) {
+    return op == Op::kRead && path == file ? EIO : 0;
+  };
+  Checkpointer ckpt(store, {.dir = dir.path()}, storage);
+  State s;
+  s.add("w", torch::zeros_like(w));
+  EXPECT_EQ(error_of<IoError>([&] { ckpt.load(s); }),
+            testing::FaultyStorage::injected_message(Op::kRead, file, EIO));
 }
 
 }  // namespace
