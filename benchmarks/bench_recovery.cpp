@@ -51,8 +51,7 @@ struct Settings {
 };
 
 double now_unix() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 std::vector<json> metrics_of(const fs::path& run) {
@@ -150,8 +149,9 @@ Stats stats_of(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   Settings s;
-  CLI::App app{"Recovery of a killed worker under `loom run`: in-memory snapshots beside disk "
-               "checkpoints alone, on the GPT example at W = 2."};
+  CLI::App app{
+      "Recovery of a killed worker under `loom run`: in-memory snapshots beside disk "
+      "checkpoints alone, on the GPT example at W = 2."};
   app.add_option("--rounds", s.rounds, "rounds, each running both sides")->capture_default_str();
   app.add_option("--kill-min", s.kill_min, "the earliest step at which rank 1 is killed")
       ->capture_default_str();
@@ -184,7 +184,8 @@ int main(int argc, char** argv) {
         regain[side].push_back(o.regain_s);
         recomputed[side].push_back(o.recomputed);
         if (!s.json) {
-          std::fprintf(stderr, "round %d, %s: killed at step %d: first step after %.2f s, back "
+          std::fprintf(stderr,
+                       "round %d, %s: killed at step %d: first step after %.2f s, back "
                        "at the killed step after %.2f s, %.0f steps recomputed\n",
                        round, side == 0 ? "snapshots" : "disk only", kill_at, o.first_step_s,
                        o.regain_s, o.recomputed);
@@ -197,9 +198,15 @@ int main(int argc, char** argv) {
     std::vector<loom::bench::Row> rows;
     auto add = [&](const std::string& name, const std::vector<double>* values, const char* unit) {
       const Stats l = stats_of(values[0]), b = stats_of(values[1]);
-      rows.push_back({"bench_recovery", name, l.median, b.median, baseline, unit,
+      rows.push_back({"bench_recovery",
+                      name,
+                      l.median,
+                      b.median,
+                      baseline,
+                      unit,
                       l.median > 0 ? b.median / l.median : 0,
-                      {{"loom_spread", l.spread}, {"baseline_spread", b.spread},
+                      {{"loom_spread", l.spread},
+                       {"baseline_spread", b.spread},
                        {"rounds", static_cast<double>(s.rounds)}}});
     };
     add("recovery/first_step/gpt_tiny/W2", first, "s");
@@ -208,9 +215,10 @@ int main(int argc, char** argv) {
     if (s.json) {
       for (const auto& r : rows) loom::bench::print_json(r);
     } else {
-      std::printf("bench_recovery: GPT tiny at W = 2, rank 1 SIGKILLed at a step in [%d, %d], "
-                  "%d rounds, median (spread)\n",
-                  s.kill_min, s.kill_max, s.rounds);
+      std::printf(
+          "bench_recovery: GPT tiny at W = 2, rank 1 SIGKILLed at a step in [%d, %d], "
+          "%d rounds, median (spread)\n",
+          s.kill_min, s.kill_max, s.rounds);
       std::printf("%-36s %16s %16s  %s\n", "case", "loom (snapshots)", "baseline", "ratio");
       for (const auto& r : rows) {
         std::printf("%-36s %9.2f (%4.2f) %9.2f (%4.2f)  %.2fx %s\n", r.case_name.c_str(), r.loom,
