@@ -186,6 +186,16 @@ INSTANTIATE_TEST_SUITE_P(Shm, SharedMemoryHosts,
                            return info.param.name;
                          });
 
+// Returns once every rank has its group. A rank's constructor may return while a peer is still
+// finishing its side of the connection (gloo's full mesh between host leaders), so a rank that
+// leaves at once could fail that peer's constructor instead of its first collective.
+void wait_until_every_rank_has_its_group(Rank& r) {
+  r.store.set("constructed/" + std::to_string(r.rank), "1");
+  for (int peer = 0; peer < r.world; ++peer) {
+    r.store.get("constructed/" + std::to_string(peer), kOpTimeout);
+  }
+}
+
 // Hosts {0, 1} and {2}: rank 2 leaves. Rank 0, the leader of the first host, fails in the step
 // between hosts and breaks its host's segment, so rank 1, waiting in the broadcast inside the
 // host, fails at once too (a CommError quoting the leader's failure) instead of at its deadline.
@@ -210,6 +220,7 @@ TEST(SharedMemory, AHostThatLeavesFailsEveryRankOfTheOtherHostAtOnce) {
     GlooOptions options = small_slots();
     options.host = hosts[r.rank];
     auto group = new_gloo_group(r.store, r.rank, r.world, options);
+    wait_until_every_rank_has_its_group(r);
     if (r.rank == 2) {
       group.reset();
       r.store.set("left", "1");
@@ -234,6 +245,7 @@ TEST(SharedMemory, ARankThatLeavesItsHostIsNamedByItsGroupRank) {
     options.host = hosts[r.rank];
     auto group = new_gloo_group(r.store, r.rank, r.world, options);
     ASSERT_EQ(gloo_transport(*group), "hierarchical");
+    wait_until_every_rank_has_its_group(r);
     if (r.rank == 2) {
       group.reset();
       r.store.set("left", "1");
@@ -321,6 +333,7 @@ TEST(SharedMemory, DivergedRanksFailAtOnceAndTheGroupStaysBroken) {
 TEST(SharedMemory, APeerThatLeavesFailsTheWaitingRankNamingIt) {
   expect_all_ok(run_threads(2, [](Rank& r) {
     auto group = new_gloo_group(r.store, r.rank, r.world, small_slots());
+    wait_until_every_rank_has_its_group(r);
     if (r.rank == 1) {
       group.reset();
       r.store.set("left", "1");
