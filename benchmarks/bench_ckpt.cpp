@@ -12,6 +12,14 @@
 //   *_vs_parallel  the same save and load beside raw O_DIRECT transfers with as many 8 MiB
 //               blocks in flight as Loom has I/O threads (--io-threads): one pwrite or pread at
 //               a time is not the disk's limit when two in flight are faster.
+//   step_*      a training step's stand-in: save(defer_copy) after the optimizer step, then
+//               --step-compute seconds of matmuls over torch's threads (forward and backward),
+//               then before_optimizer_step(). Loom's copy thread copying during the compute
+//               (background_copy) beside the whole copy at before_optimizer_step() on the
+//               training thread over torch's threads (the copy Loom made before): the step's
+//               time from save() to the optimizer step (step_time), the stall alone
+//               (step_stall), the first save of a new Checkpointer (step_stall_cold), and the
+//               step beside the same compute without a save (step_vs_no_save: the limit).
 // Every round measures every case once, Loom and its baseline next to each other (the one that
 // goes first alternating), so that the disk's drift hits both. Reported per case: the median over
 // the rounds of each side, its spread ((max - min) / median), the ratio of the medians and the
@@ -56,6 +64,7 @@ struct Settings {
   bool json = false;
   bool verbose = false;  // the checkpointer's debug log: time per phase of each save
   int io_threads = loom::ckpt::CheckpointerOptions{}.io_threads;  // Loom's writes/reads in flight
+  double step_compute = 0.5;  // seconds of matmuls standing in for a step's forward and backward
 };
 
 int64_t parse_size(const std::string& text) {
@@ -237,8 +246,20 @@ int run(const Settings& s) {
     at += t.nbytes();
   }
 
+  // The step's compute: a fixed number of 512 x 512 matmuls, as many as take --step-compute
+  // seconds here (counted once, then the same work in every round).
+  const torch::Tensor a = torch::randn({512, 512}), b = torch::randn({512, 512});
+  torch::Tensor product = torch::empty({512, 512});
+  auto start = Clock::now();
+  for (int i = 0; i < 20; ++i) torch::mm_out(product, a, b);
+  const int matmuls = std::max(1, static_cast<int>(s.step_compute / (seconds_since(start) / 20)));
+  auto compute = [&] {
+    for (int i = 0; i < matmuls; ++i) torch::mm_out(product, a, b);
+  };
+
   Samples raw_write_s, parallel_write_s, buffered_write_s, cold_stall_s, stall_s, background_s,
-      save_s, torch_s, load_s, raw_read_s, parallel_read_s;
+      save_s, torch_s, load_s, raw_read_s, parallel_read_s, step_s, step_inline_s, step_stall_s,
+      step_stall_inline_s, step_cold_s, step_cold_inline_s, compute_s;
   loom::comm::InMemoryStore store;
   int64_t step = 0;
   for (int round = 0; round < s.rounds; ++round) {
@@ -249,7 +270,7 @@ int run(const Settings& s) {
     // (cold); the second is the steady state a training loop sees on every later save (warm).
     loom::ckpt::Checkpointer ckpt(
         store, {.dir = dir / "loom", .keep_last = 1, .io_threads = s.io_threads});
-    auto start = Clock::now();
+    start = Clock::now();
     auto first = ckpt.save(++step, state);
     cold_stall_s.s.push_back(seconds_since(start));
     first.wait(std::chrono::minutes(30));
@@ -264,6 +285,36 @@ int run(const Settings& s) {
           save_s.s.push_back(seconds_since(start));
           background_s.s.push_back(save_s.s.back() - stall);
         });
+    // The step: save() with the copy deferred, the compute, before_optimizer_step().
+    auto training_step = [&](loom::ckpt::Checkpointer& checkpointer, bool background, Samples* time,
+                             Samples& stall) {
+      const auto begin = Clock::now();
+      auto handle =
+          checkpointer.save(++step, state, {.defer_copy = true, .background_copy = background});
+      compute();
+      const auto optimizer_step = Clock::now();
+      checkpointer.before_optimizer_step();
+      stall.s.push_back(seconds_since(optimizer_step));
+      if (time) time->s.push_back(seconds_since(begin));
+      handle.wait(std::chrono::minutes(30));
+    };
+    in_turn(
+        round, [&] { training_step(ckpt, true, &step_s, step_stall_s); },
+        [&] { training_step(ckpt, false, &step_inline_s, step_stall_inline_s); });
+    start = Clock::now();
+    compute();
+    compute_s.s.push_back(seconds_since(start));
+    in_turn(
+        round,
+        [&] {
+          loom::ckpt::Checkpointer cold(store, {.dir = dir / "cold", .keep_last = 1});
+          training_step(cold, true, nullptr, step_cold_s);
+        },
+        [&] {
+          loom::ckpt::Checkpointer cold(store, {.dir = dir / "cold", .keep_last = 1});
+          training_step(cold, false, nullptr, step_cold_inline_s);
+        });
+
     const auto parallel = dir / loom::detail::concat("parallel_", round, ".bin");
     parallel_write_s.s.push_back(
         raw_parallel(buffer.get(), padded, parallel, s.io_threads, /*write=*/true));
@@ -315,13 +366,20 @@ int run(const Settings& s) {
       {"load", load_s, raw_read_s, "raw O_DIRECT pread (the limit)", total, ">= 0.9"},
       {"load_vs_parallel", load_s, parallel_read_s, "the same, io-threads reads in flight", total,
        "-"},
+      {"step_time", step_s, step_inline_s, "the copy at the optimizer step, all threads", 0, "> 1"},
+      {"step_stall", step_stall_s, step_stall_inline_s, "the copy at the optimizer step", 0, "> 1"},
+      {"step_stall_cold", step_cold_s, step_cold_inline_s, "the copy at the optimizer step", 0,
+       "> 1"},
+      {"step_vs_no_save", step_s, compute_s, "the same compute, no save (the limit)", 0, "~ 1"},
   };
   if (!s.json) {
     std::printf(
         "bench_ckpt: %s in %d float32 tensors, 1 rank, %d I/O threads, dir %s, %d rounds; s = "
         "median over rounds, spread = (max - min) / median, ratio = median baseline / median "
-        "loom, paired = median [min, max] of the rounds' own ratios\n",
-        size_text.c_str(), s.tensors, s.io_threads, dir.c_str(), s.rounds);
+        "loom, paired = median [min, max] of the rounds' own ratios; step compute: %d 512x512 "
+        "matmuls on %d threads (median %.3f s)\n",
+        size_text.c_str(), s.tensors, s.io_threads, dir.c_str(), s.rounds, matmuls,
+        at::get_num_threads(), compute_s.median());
     std::printf("%-16s %9s %7s %7s | %9s %7s %7s  %-39s | %6s %20s %7s\n", "case", "loom s",
                 "spread", "GB/s", "base s", "spread", "GB/s", "baseline is", "ratio", "paired",
                 "target");
@@ -381,6 +439,9 @@ int main(int argc, char** argv) {
   app.add_option("--dir", s.dir, "directory on the disk to measure (default: under $TMPDIR)");
   app.add_option("--io-threads", s.io_threads, "Loom's I/O threads (writes or reads in flight)")
       ->check(CLI::Range(1, 64));
+  app.add_option("--step-compute", s.step_compute,
+                 "seconds of matmuls standing in for a training step's forward and backward")
+      ->check(CLI::Range(0.0, 60.0));
   app.add_flag("--json", s.json, "print one JSON object per row");
   app.add_flag("--verbose", s.verbose, "log the time of each save's phases (stderr)");
   CLI11_PARSE(app, argc, argv);

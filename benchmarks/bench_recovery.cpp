@@ -14,8 +14,19 @@
 // Median and spread (max - min) over the rounds; ratio = baseline / Loom (above 1: Loom is
 // better).
 //
+// --mode=stall: what the snapshots cost a training step, on the GPT example widened to ~20M
+// parameters (8 layers, 448 wide), W = 2 under `loom run`, a snapshot every step. Three jobs
+// per round, in an order that alternates: the snapshot's copy on the copy thread during the
+// next forward and backward (train.background_copy, Loom's default), the whole copy just before
+// the optimizer step (background_copy=false), and no snapshots. From rank 0's metrics.jsonl:
+//   stall/warm        the median of the checkpoint_stall phase over the steps after the second
+//   stall/cold        that phase in the second step (the first snapshot's copy: new staging)
+//   stall/share       the warm stall as a share of the median step time (target: under 1%)
+//   step_time         the median step time, beside the same job without snapshots (the limit)
+//
 //   tools/kjv-data.sh && build/benchmarks/bench_recovery            3 rounds, table
 //   build/benchmarks/bench_recovery --rounds=5 --json                JSON rows
+//   build/benchmarks/bench_recovery --mode=stall --rounds=2          the stall, table
 #include <signal.h>
 #include <sys/types.h>
 
@@ -48,6 +59,8 @@ struct Settings {
   int after = 8;                     // steps trained after the killed one
   int checkpoint_every = 10;         // both sides' disk checkpoints
   bool json = false;
+  std::string mode = "recovery";  // or "stall"
+  int stall_steps = 12;           // --mode=stall: steps per job
 };
 
 double now_unix() {
@@ -145,6 +158,118 @@ Stats stats_of(std::vector<double> v) {
   return {n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2, v.back() - v.front()};
 }
 
+// --mode=stall: one job of `s.stall_steps` steps; "background", "at the optimizer step" or
+// "none" (no snapshots). Rank 0's per-step checkpoint stall and step time, in seconds.
+struct StallRun {
+  std::vector<double> stall, step;
+};
+
+StallRun run_stall(const Settings& s, const std::string& copy, const fs::path& run) {
+  fs::remove_all(run);
+  fs::create_directories(run.parent_path());
+  const std::vector<std::string> argv = {
+      s.loom,
+      "run",
+      "--nproc-per-node",
+      "2",
+      "--run-dir",
+      run.string(),
+      "--",
+      s.gpt,
+      "--config=" + s.config,
+      "--run.dir=" + run.string(),
+      "--data.train=" + s.data + "/kjv-train-bpe",
+      "--data.val=" + s.data + "/kjv-val-bpe",
+      "--model.n_layer=8",
+      "--model.n_head=7",
+      "--model.n_embd=448",
+      "--train.steps=" + std::to_string(s.stall_steps),
+      "--train.checkpoint_every=0",
+      "--train.snapshot_every=" + std::string(copy == "none" ? "0" : "1"),
+      "--train.background_copy=" + std::string(copy == "background" ? "true" : "false"),
+      "--train.eval_every=1000000",
+      "--train.log_every=1000000",
+      "--sample.tokens=0",
+      "--eval.batches=1"};
+  auto job = loom::util::Subprocess::spawn({.argv = argv, .output = run.string() + ".out"});
+  const auto status = job.wait_for(std::chrono::minutes(20));
+  LOOM_CHECK(status && status->ok(), loom::Error, "the job failed: see ", run.string(), ".out");
+  StallRun out;
+  for (const json& line : metrics_of(run)) {
+    out.stall.push_back(line.at("phases").at("checkpoint_stall").get<double>());
+    out.step.push_back(line.at("step_seconds").get<double>());
+  }
+  LOOM_CHECK(static_cast<int>(out.step.size()) == s.stall_steps, loom::Error, "expected ",
+             s.stall_steps, " steps in ", (run / "metrics.jsonl").string(), ", found ",
+             out.step.size());
+  return out;
+}
+
+int stall_mode(const Settings& s) {
+  LOOM_CHECK(s.stall_steps >= 4, loom::InvalidArgument, "--stall-steps must be at least 4");
+  const char* sides[] = {"background", "optimizer_step", "none"};
+  // Per side: the warm stalls (steps after the second, every round), the cold ones (the second
+  // step of each round) and the step times (steps after the second).
+  std::vector<double> warm[3], cold[3], step[3];
+  for (int round = 0; round < s.rounds; ++round) {
+    for (int k = 0; k < 3; ++k) {
+      const int side = (round + k) % 3;
+      const StallRun r = run_stall(s, sides[side], fs::path(s.work) / "stall");
+      cold[side].push_back(r.stall[1]);
+      warm[side].insert(warm[side].end(), r.stall.begin() + 2, r.stall.end());
+      step[side].insert(step[side].end(), r.step.begin() + 2, r.step.end());
+      if (!s.json) {
+        std::fprintf(stderr, "round %d, %s: median step %.3f s, warm stall %.4f s, cold %.4f s\n",
+                     round, sides[side], stats_of({r.step.begin() + 2, r.step.end()}).median,
+                     stats_of({r.stall.begin() + 2, r.stall.end()}).median, r.stall[1]);
+      }
+    }
+  }
+  fs::remove_all(s.work);
+  const Stats step_bg = stats_of(step[0]), step_inline = stats_of(step[1]),
+              step_none = stats_of(step[2]);
+  const Stats warm_bg = stats_of(warm[0]), warm_inline = stats_of(warm[1]);
+  const Stats cold_bg = stats_of(cold[0]), cold_inline = stats_of(cold[1]);
+  const std::string inline_name = "the copy just before the optimizer step";
+  auto row = [&](const std::string& name, const Stats& l, const Stats& b,
+                 const std::string& baseline, const char* unit) {
+    return loom::bench::Row{"bench_recovery",
+                            name,
+                            l.median,
+                            b.median,
+                            baseline,
+                            unit,
+                            l.median > 0 ? b.median / l.median : 0,
+                            {{"loom_spread", l.spread},
+                             {"baseline_spread", b.spread},
+                             {"rounds", static_cast<double>(s.rounds)}}};
+  };
+  std::vector<loom::bench::Row> rows = {
+      row("stall/warm/gpt_20m/W2", warm_bg, warm_inline, inline_name, "s"),
+      row("stall/cold/gpt_20m/W2", cold_bg, cold_inline, inline_name, "s"),
+      row("stall/share/gpt_20m/W2", {100 * warm_bg.median / step_bg.median, 0},
+          {100 * warm_inline.median / step_inline.median, 0}, inline_name, "% of step"),
+      row("step_time/gpt_20m/W2", step_bg, step_inline, inline_name, "s"),
+      row("step_time_vs_none/gpt_20m/W2", step_bg, step_none, "no snapshots (the limit)", "s"),
+  };
+  if (s.json) {
+    for (const auto& r : rows) loom::bench::print_json(r);
+    return 0;
+  }
+  std::printf(
+      "bench_recovery --mode=stall: GPT 8 layers x 448 (~20M parameters) at W = 2, a snapshot "
+      "every step, %d steps per job, %d rounds; median (spread) over the steps after the second "
+      "of every round (cold: the second step)\n",
+      s.stall_steps, s.rounds);
+  std::printf("%-32s %18s %18s  %s\n", "case", "loom (background)", "baseline", "ratio");
+  for (const auto& r : rows) {
+    std::printf("%-32s %9.4f (%6.4f) %9.4f (%6.4f)  %.2fx %s  [%s]\n", r.case_name.c_str(), r.loom,
+                r.extra.at("loom_spread"), r.baseline, r.extra.at("baseline_spread"), r.ratio,
+                r.unit.c_str(), r.baseline_name.c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -164,6 +289,13 @@ int main(int argc, char** argv) {
   app.add_option("--config", s.config, "the GPT config")->capture_default_str();
   app.add_option("--work-dir", s.work, "where the runs go");
   app.add_flag("--json", s.json, "one JSON object per row");
+  app.add_option("--mode", s.mode,
+                 "recovery (time back at work after a kill) or stall (the snapshots' cost per "
+                 "step)")
+      ->check(CLI::IsMember({"recovery", "stall"}))
+      ->capture_default_str();
+  app.add_option("--stall-steps", s.stall_steps, "--mode=stall: steps per job")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     LOOM_CHECK(fs::exists(fs::path(s.data) / "kjv-val-bpe" / "manifest.json"),
@@ -173,6 +305,7 @@ int main(int argc, char** argv) {
       s.work = (fs::temp_directory_path() / ("loom-bench-recovery-" + std::to_string(::getpid())))
                    .string();
     }
+    if (s.mode == "stall") return stall_mode(s);
     std::mt19937 rng(7);
     std::vector<double> first[2], regain[2], recomputed[2];  // [0] Loom, [1] baseline
     for (int round = 0; round < s.rounds; ++round) {

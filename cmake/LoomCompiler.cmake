@@ -19,8 +19,30 @@ endfunction()
 set(LOOM_PCH_HEADERS
   <torch/torch.h> <vector> <string> <memory> <functional> <chrono> <filesystem>)
 
+# The PCH goes only to the target's files that include <torch/torch.h>. Loading it costs about
+# 13 s per file on the 2-core machine (it is ~600 MB), more than a file that includes only ATen
+# or nothing of torch takes to compile without it; a file that includes <torch/torch.h> saves
+# about 7 s.
 function(loom_use_torch_pch target)
-  if(LOOM_USE_PCH)
-    target_precompile_headers(${target} REUSE_FROM loom_pch)
+  if(NOT LOOM_USE_PCH)
+    return()
   endif()
+  target_precompile_headers(${target} REUSE_FROM loom_pch)
+  get_target_property(sources ${target} SOURCES)
+  get_target_property(source_dir ${target} SOURCE_DIR)
+  foreach(source IN LISTS sources)
+    if(NOT source MATCHES "\\.(cpp|cc)$")
+      continue()
+    endif()
+    if(IS_ABSOLUTE "${source}")
+      set(path "${source}")
+    else()
+      set(path "${source_dir}/${source}")
+    endif()
+    file(STRINGS "${path}" includes_torch REGEX "^#include <torch/torch\\.h>")
+    if(NOT includes_torch)
+      set_source_files_properties(${source} TARGET_DIRECTORY ${target}
+        PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+    endif()
+  endforeach()
 endfunction()

@@ -14,8 +14,13 @@ export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-10G}
 # Cache translation units that use the precompiled torch header too (ccache manual, "Precompiled headers").
 export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}
 
+# Line tables only (backtraces, profilers): full debug info (-g) makes every file that includes
+# torch about 40% slower to compile here. LOOM_DEBUG_FLAGS=-g for a debugging build.
+debug_flags=${LOOM_DEBUG_FLAGS:--g1}
+
 start=$(date +%s)
-cmake -S . -B "$build_dir" -G Ninja "$@" > "$build_dir.configure.log" 2>&1 ||
+cmake -S . -B "$build_dir" -G Ninja "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 $debug_flags -DNDEBUG" \
+  "$@" > "$build_dir.configure.log" 2>&1 ||
   { cat "$build_dir.configure.log"; echo "build.sh: cmake configure failed" >&2; exit 1; }
 # shellcheck disable=SC2086
 cmake --build "$build_dir" -j "$jobs" ${LOOM_TARGETS:+--target $LOOM_TARGETS}

@@ -3,8 +3,10 @@
 // A save is validate, stage, enqueue. The training thread checks the state and plans this
 // rank's file (layout.h), makes sure the previous save is done with the staging buffer, builds
 // this rank's report, queues a Job for the writer thread and copies the tensors into the one
-// reusable staging buffer, laid out exactly like the file (or, with defer_copy, leaves the copy
-// to before_optimizer_step()). CUDA tensors go into pinned staging memory by device-to-host
+// reusable staging buffer, laid out exactly like the file (or, with defer_copy, hands the copy
+// to the copy thread, which copies CPU tensors while the caller computes, and
+// before_optimizer_step() waits for it; without background_copy, the training thread copies
+// there itself). CUDA tensors go into pinned staging memory by device-to-host
 // copies on a side stream (device_copy.h), enqueued at save() and overlapping the next
 // forward/backward; the deferred copy() then only makes the compute stream wait for them.
 //
@@ -86,8 +88,10 @@ struct SaveHandle::Job {
 
   // Copies the pending tensors into staging, in file order, publishing `staged` after each
   // block so that the writer hashes and writes behind the copy. Once: a later call waits for
-  // the first to finish and returns.
-  void copy() {
+  // the first to finish and returns. `parallel`: over torch's intra-op threads (the training
+  // thread, stalled anyway); otherwise on the calling thread alone (the copy thread, beside
+  // the training thread's compute).
+  void copy(bool parallel = true) {
     {
       std::unique_lock<std::mutex> lock(mutex);
       if (copy_started) {
@@ -98,7 +102,7 @@ struct SaveHandle::Job {
     }
     std::exception_ptr failure;
     try {
-      copy_pieces();
+      copy_pieces(parallel);
       // The caller may change the CUDA tensors once copy() returned: later work on the compute
       // stream waits for their copies (on the GPU; the host goes on).
       if (fence) fence->order_compute_stream();
@@ -112,7 +116,7 @@ struct SaveHandle::Job {
     changed.notify_all();
   }
 
-  void copy_pieces() {
+  void copy_pieces(bool parallel) {
     at::NoGradGuard no_grad;
     uint64_t end_of_previous = 0;
     for (size_t i = 0; i < plan.pieces.size(); ++i) {
@@ -124,14 +128,18 @@ struct SaveHandle::Job {
       if (src.is_cuda()) {
         continue;  // already enqueued on the side stream by save()
       } else if (src.device().is_cpu() && src.is_contiguous()) {
-        // memcpy over torch's intra-op threads (training is stalled anyway), a block at a time.
+        // memcpy a block at a time, over torch's intra-op threads when asked.
         const char* from = static_cast<const char*>(src.data_ptr());
         char* to = staging + p.offset;
         for (uint64_t b = 0; b < p.bytes; b += kCopyBlock) {
           const int64_t n = static_cast<int64_t>(std::min(kCopyBlock, p.bytes - b));
-          at::parallel_for(0, n, int64_t{8} << 20, [&](int64_t begin, int64_t end) {
-            std::memcpy(to + b + begin, from + b + begin, static_cast<size_t>(end - begin));
-          });
+          if (parallel) {
+            at::parallel_for(0, n, int64_t{8} << 20, [&](int64_t begin, int64_t end) {
+              std::memcpy(to + b + begin, from + b + begin, static_cast<size_t>(end - begin));
+            });
+          } else {
+            std::memcpy(to + b, from + b, static_cast<size_t>(n));
+          }
           publish(p.offset + b + n);
         }
       } else {  // strided or on a device: torch copies (and moves to the CPU)
@@ -233,14 +241,17 @@ struct Checkpointer::Impl {
   internal::HostBuffer load_buffer;   // pinned, reused: reads of CUDA tensors land here first
   internal::HostBuffer read_buffers;  // the read pipeline's buffers, reused by every load
 
-  // State below is protected by mutex; wake is notified when queued, stop or retiring change.
+  // State below is protected by mutex; wake is notified when queued, to_copy, stop or
+  // retiring change.
   std::mutex mutex;
   std::condition_variable wake;
   std::shared_ptr<Job> queued;
+  std::shared_ptr<Job> to_copy;  // a background copy for the copy thread
   bool stop = false;
   bool retiring = false;  // rank 0's writer is applying retention after a commit
 
-  std::thread writer;  // started last in the constructor
+  std::thread writer;  // started last in the constructor, with the copier
+  std::thread copier;
 
   std::filesystem::path step_dir(int64_t step) const { return options.dir / step_dir_name(step); }
   StepCommit commit_of(int64_t step) const {
@@ -259,7 +270,17 @@ struct Checkpointer::Impl {
   std::shared_ptr<Job> make_room(int64_t step);  // a skipped job, or null when the step goes on
   std::shared_ptr<Job> stage(int64_t step, const State& state, FilePlan plan);
   void enqueue(const std::shared_ptr<Job>& job);
+  // Whether the copy thread can copy the job: contiguous CPU tensors only (CUDA pieces copy
+  // on a side stream that the training thread must order; strided ones need torch's copy).
+  static bool copies_in_background(const Job& job) {
+    return !job.fence &&
+           std::all_of(job.pending.begin(), job.pending.end(), [](const at::Tensor& t) {
+             return t.device().is_cpu() && t.is_contiguous();
+           });
+  }
 
+  // The copy thread: SaveOptions::background_copy.
+  void copier_loop();
   // The writer thread.
   void writer_loop();
   void run_job(Job& job);
@@ -272,6 +293,19 @@ struct Checkpointer::Impl {
 
   int64_t load_step(int64_t step, State& state, const LoadOptions& options);
 };
+
+void Checkpointer::Impl::copier_loop() {
+  while (true) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      wake.wait(lock, [&] { return stop || to_copy; });
+      if (!to_copy) return;
+      job = std::move(to_copy);
+    }
+    job->copy(/*parallel=*/false);  // at once when the training thread has copied it already
+  }
+}
 
 void Checkpointer::Impl::writer_loop() {
   while (true) {
@@ -530,6 +564,7 @@ Checkpointer::Checkpointer(comm::Store& store, CheckpointerOptions options,
   storage->create_dirs(options.dir);
   impl_ = std::make_unique<Impl>(store, std::move(options), std::move(storage));
   impl_->writer = std::thread([impl = impl_.get()] { impl->writer_loop(); });
+  impl_->copier = std::thread([impl = impl_.get()] { impl->copier_loop(); });
 }
 
 Checkpointer::~Checkpointer() {
@@ -546,6 +581,7 @@ Checkpointer::~Checkpointer() {
   }
   impl_->wake.notify_all();
   impl_->writer.join();
+  impl_->copier.join();
 }
 
 const CheckpointerOptions& Checkpointer::options() const { return impl_->options; }
@@ -677,7 +713,15 @@ SaveHandle Checkpointer::save(int64_t step, const State& state, const SaveOption
   std::shared_ptr<SaveHandle::Job> job = m.stage(step, state, std::move(plan));
   m.enqueue(job);
   // The writer hashes and writes behind the copy, block by block.
-  if (!save_options.defer_copy) job->copy();
+  if (!save_options.defer_copy) {
+    job->copy();
+  } else if (save_options.background_copy && m.copies_in_background(*job)) {
+    {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      m.to_copy = job;
+    }
+    m.wake.notify_all();
+  }
   return SaveHandle(job);
 }
 

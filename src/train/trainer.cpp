@@ -89,6 +89,9 @@ ConfigSchema TrainOptions::schema() {
   s.add("train.snapshot_every", int64_t{1},
         "steps between in-memory snapshots under `loom run` (skipped while one is still being "
         "written); 0 = none");
+  s.add("train.background_copy", true,
+        "copy each checkpoint's and snapshot's state during the next step's forward and backward "
+        "on a thread of its own (false: all of it just before the optimizer step)");
   s.add("train.on_non_finite", "stop", "stop (error naming the parameter) or skip the step");
   s.add("train.log_every", int64_t{10}, "steps between metrics log lines (without a terminal)");
   s.add("train.resume", true, "resume from the newest committed checkpoint in <run.dir>/ckpt");
@@ -126,6 +129,7 @@ TrainOptions TrainOptions::from(const Config& c) {
   o.checkpoint_every = c.get<int64_t>("train.checkpoint_every");
   o.keep_last = c.get<int>("train.keep_last");
   o.snapshot_every = c.get<int64_t>("train.snapshot_every");
+  o.background_checkpoint_copy = c.get<bool>("train.background_copy");
   const auto non_finite = c.get<std::string>("train.on_non_finite");
   LOOM_CHECK(non_finite == "stop" || non_finite == "skip", ConfigError,
              "train.on_non_finite must be stop or skip, got '", non_finite, "'");
@@ -372,6 +376,24 @@ struct Trainer::Impl {
     if (&series == &snapshots) drop_older_snapshots(committed);
   }
 
+  // After the resume, by the first rank of every node: removes the snapshots of steps after
+  // `resumed` from its node's directory. A previous generation may have committed a step that
+  // is not whole on every node (a node lost before its files were copied); training redoes
+  // that step and snapshots it again. Every rank's first save comes after the first step's
+  // control all-reduce, so after every node's removal.
+  void drop_newer_snapshots(int64_t resumed) {
+    if (!snapshots.checkpointer || rt.local_rank() != 0) return;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(rt.topology().snapshot_dir, ec)) {
+      const std::optional<int64_t> newer = ckpt::parse_step_dir_name(entry.path().filename());
+      if (newer && *newer > resumed) {
+        rt.log().info("removing the snapshot of step {} ({}): training resumed at step {}", *newer,
+                      entry.path().string(), resumed);
+        std::filesystem::remove_all(entry.path(), ec);
+      }
+    }
+  }
+
   // Retention of the snapshots, by the first rank of every node in its node's directory after
   // each commit: the newest committed step and the newest step whole on this node (all ranks'
   // files: with several nodes, the previous node's arrive by replication a little after the
@@ -399,8 +421,10 @@ struct Trainer::Impl {
       series.checkpointer->save_sync(step, series.state);
       metrics->on_checkpoint_committed(step);
     } else {
-      series.pending = series.checkpointer->save(step, series.state,
-                                                 {.defer_copy = options.overlap_checkpoint_copy});
+      series.pending =
+          series.checkpointer->save(step, series.state,
+                                    {.defer_copy = options.overlap_checkpoint_copy,
+                                     .background_copy = options.background_checkpoint_copy});
     }
   }
 
@@ -540,6 +564,7 @@ struct Trainer::Impl {
     open_checkpointers();
     FitResult result;
     if (!resume() && !options.init_from.empty()) init_weights();
+    drop_newer_snapshots(step);
     result.start_step = step;
     metrics->on_resume(step);
     if (callbacks.on_start) callbacks.on_start(step);

@@ -104,8 +104,8 @@ TEST_P(TrainerResume, SigkilledRunResumesBitwiseLikeTheUninterruptedRun) {
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   // Rank 1 SIGKILLs itself in step 10. The newest committed checkpoint then holds step 8, or
   // step 4 when the asynchronous save of step 8 had not committed yet; the newest snapshot is
-  // newer (a snapshot's copy waits for the next step's optimizer step, so step 10's never
-  // commits: 9 at best).
+  // newer: step 10's (the state after 10 steps), copied and written in the background while
+  // step 10 ran, or 9 or 8 when that had not committed yet.
   // Steps of at least 30 ms (a stand-in for a larger model's compute) give a snapshot time to
   // commit within the next step, as it does on a real model.
   auto killed =
@@ -124,7 +124,7 @@ TEST_P(TrainerResume, SigkilledRunResumesBitwiseLikeTheUninterruptedRun) {
   }
   ASSERT_GE(resumed_at, 0) << killed.output;
   if (snapshots && source == "snapshot") {
-    EXPECT_TRUE(resumed_at == 8 || resumed_at == 9) << killed.output;
+    EXPECT_TRUE(resumed_at >= 8 && resumed_at <= 10) << killed.output;
   } else {
     // Without snapshots; or with them, when this machine was too loaded for snapshot 8 or 9 to
     // commit (then the checkpoint of step 8 is the newest state).
@@ -366,9 +366,9 @@ TEST_F(Trainer, ALostNodesSnapshotIsResumedFromTheCopyOnTheOtherNode) {
   const int resumed_at = std::stoi(output.substr(at + said.size()));
   EXPECT_NE(output.find("resuming at world size 2 from a checkpoint saved at 4"), std::string::npos)
       << output;
-  // Behind the last step node 0 finished by the snapshot's deferred copy (a step), its commit
-  // and its replication (the agents poll every 100 ms): 3 steps of 100 ms here (measured 1 to
-  // 3); on a loaded machine a few more.
+  // Behind the last step node 0 finished by the snapshot's commit and its replication (the
+  // agents poll every 100 ms): up to 3 steps of 100 ms here (measured 1 to 3); on a loaded
+  // machine a few more.
   EXPECT_GE(resumed_at, std::max(1, steps_before - 6)) << output;
   EXPECT_LE(resumed_at, steps_before + 1) << output;
   int lines = 0;

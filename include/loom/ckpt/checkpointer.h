@@ -84,6 +84,12 @@ struct SaveOptions {
   // step N+1's data loading, forward and backward. The State's tensors are held (shared,
   // not copied) until the copy.
   bool defer_copy = false;
+  // With defer_copy: the Checkpointer's copy thread starts copying CPU tensors at save(), on
+  // one core while the caller computes, and before_optimizer_step() waits only for what is
+  // left. false: the whole copy happens in before_optimizer_step(), over torch's intra-op
+  // threads (faster alone, but the training thread waits for all of it). CUDA tensors copy on
+  // a side stream from save() either way; strided CPU tensors at before_optimizer_step().
+  bool background_copy = true;
 };
 
 struct LoadOptions {
@@ -131,7 +137,7 @@ class SaveHandle {
 };
 
 // Thread safety: save(), before_optimizer_step(), load*() and list() are called from one
-// thread (the training loop); the writer thread is internal. The Store must outlive the
+// thread (the training loop); the writer and copy threads are internal. The Store must outlive the
 // Checkpointer. The destructor completes a save in flight (copying a deferred one first) and
 // logs, never throws, its error.
 class Checkpointer {

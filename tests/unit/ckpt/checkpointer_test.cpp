@@ -119,7 +119,7 @@ TEST(Checkpointer, DeferredCopyHappensAtBeforeOptimizerStep) {
   torch::Tensor w = torch::ones({1000});
   State s;
   s.add("w", w);
-  SaveHandle h = ckpt.save(1, s, {.defer_copy = true});
+  SaveHandle h = ckpt.save(1, s, {.defer_copy = true, .background_copy = false});
   w.fill_(3);  // forward/backward may not change parameters, but this shows when the copy is
   ckpt.before_optimizer_step();
   w.fill_(4);  // the optimizer step: after the copy
@@ -130,10 +130,66 @@ TEST(Checkpointer, DeferredCopyHappensAtBeforeOptimizerStep) {
   EXPECT_TRUE(torch::equal(loaded.tensors[0].tensor, torch::full({1000}, 3.0f)));
 
   // Without before_optimizer_step, wait() performs the copy.
-  SaveHandle h2 = ckpt.save(2, s, {.defer_copy = true});
+  SaveHandle h2 = ckpt.save(2, s, {.defer_copy = true, .background_copy = false});
   h2.wait(std::chrono::seconds(30));
   ckpt.load(2, loaded);
   EXPECT_TRUE(torch::equal(loaded.tensors[0].tensor, torch::full({1000}, 4.0f)));
+}
+
+// background_copy (the default with defer_copy): the copy thread copies from save() on, so the
+// save commits with nobody calling before_optimizer_step() or wait(); without it, nothing is
+// copied (or written) until then. Either way the file holds the tensors as save() saw them.
+TEST(Checkpointer, BackgroundCopyCommitsWithoutTheTrainingThread) {
+  TempDir dir;
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, options_for(dir.path(), 0, 1));
+  torch::Tensor w = torch::arange(3 << 20, torch::kFloat);  // 12 MiB: several copy blocks
+  torch::Tensor strided = torch::arange(2000, torch::kFloat).view({40, 50}).t();
+  State s;
+  s.add("w", w);
+  s.blobs["trainer"] = "{}";
+  SaveHandle h = ckpt.save(1, s, {.defer_copy = true});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!h.done() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(h.done()) << "the background copy did not let the save of step 1 finish";
+  ckpt.before_optimizer_step();  // nothing left to wait for
+  w.add_(1);
+  h.wait(std::chrono::seconds(30));
+
+  // Not in the background: the writer waits for the copy that before_optimizer_step() makes.
+  SaveHandle inline_copy = ckpt.save(2, s, {.defer_copy = true, .background_copy = false});
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(inline_copy.done());
+  ckpt.before_optimizer_step();
+  w.add_(1);
+  inline_copy.wait(std::chrono::seconds(30));
+
+  // A strided tensor is copied at before_optimizer_step() even when asked for the background.
+  State with_strided;
+  with_strided.add("strided", strided);
+  SaveHandle third = ckpt.save(3, with_strided, {.defer_copy = true});
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(third.done());
+  ckpt.before_optimizer_step();
+  strided.add_(1);
+  third.wait(std::chrono::seconds(30));
+
+  for (int64_t step : {1, 2}) {
+    State loaded;
+    loaded.add("w", torch::zeros({3 << 20}));
+    loaded.blobs["trainer"] = "";
+    ckpt.load(step, loaded);
+    EXPECT_TRUE(torch::equal(loaded.tensors[0].tensor,
+                             torch::arange(3 << 20, torch::kFloat) + static_cast<float>(step - 1)))
+        << "step " << step;
+  }
+  State loaded;
+  loaded.add("strided", torch::zeros({50, 40}));
+  ckpt.load(3, loaded);
+  EXPECT_TRUE(torch::equal(loaded.tensors[0].tensor,
+                           torch::arange(2000, torch::kFloat).view({40, 50}).t()));
 }
 
 TEST(Checkpointer, ReplicatedTensorsAreWrittenOnce) {
@@ -546,7 +602,8 @@ TEST(Checkpointer, SkipIfBusySkipsOnEveryRank) {
     Checkpointer ckpt(r.store, options, storage);
     State s;
     s.add("w", torch::ones({1 << 20}), Sharding::flat({2 << 20}, r.rank << 20, (r.rank + 1) << 20));
-    SaveHandle first = ckpt.save(1, s, {.defer_copy = true});  // in flight until copied
+    // In flight until copied at before_optimizer_step() (not in the background).
+    SaveHandle first = ckpt.save(1, s, {.defer_copy = true, .background_copy = false});
     // Rank 0 is busy (its copy is deferred), so step 2 is skipped everywhere.
     SaveHandle second;
     if (r.rank == 0) {
