@@ -17,8 +17,9 @@
 // --mode=stall: what the snapshots cost a training step, on the GPT example widened to ~20M
 // parameters (8 layers, 448 wide), W = 2 under `loom run`, a snapshot every step. Three jobs
 // per round, in an order that alternates: the snapshot's copy on the copy thread during the
-// next forward and backward (train.background_copy, Loom's default), the whole copy just before
-// the optimizer step (background_copy=false), and no snapshots. From rank 0's metrics.jsonl:
+// next forward and backward (train.checkpoint_copy=background), the whole copy just before the
+// optimizer step (=optimizer_step; what =auto picks on a node whose cores all compute), and no
+// snapshots. From rank 0's metrics.jsonl:
 //   stall/warm        the median of the checkpoint_stall phase over the steps after the second
 //   stall/cold        that phase in the second step (the first snapshot's copy: new staging)
 //   stall/share       the warm stall as a share of the median step time (target: under 1%)
@@ -184,9 +185,10 @@ StallRun run_stall(const Settings& s, const std::string& copy, const fs::path& r
       "--model.n_head=7",
       "--model.n_embd=448",
       "--train.steps=" + std::to_string(s.stall_steps),
+      "--train.warmup_steps=2",
       "--train.checkpoint_every=0",
       "--train.snapshot_every=" + std::string(copy == "none" ? "0" : "1"),
-      "--train.background_copy=" + std::string(copy == "background" ? "true" : "false"),
+      "--train.checkpoint_copy=" + std::string(copy == "none" ? "auto" : copy),
       "--train.eval_every=1000000",
       "--train.log_every=1000000",
       "--sample.tokens=0",

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <thread>
 
 #include "ckpt/manifest.h"
 #include "loom/ckpt/checkpointer.h"
@@ -89,9 +91,10 @@ ConfigSchema TrainOptions::schema() {
   s.add("train.snapshot_every", int64_t{1},
         "steps between in-memory snapshots under `loom run` (skipped while one is still being "
         "written); 0 = none");
-  s.add("train.background_copy", true,
-        "copy each checkpoint's and snapshot's state during the next step's forward and backward "
-        "on a thread of its own (false: all of it just before the optimizer step)");
+  s.add("train.checkpoint_copy", "auto",
+        "where a checkpoint's or snapshot's copy of CPU tensors runs: background (a thread of "
+        "its own during the next forward and backward), optimizer_step (all of it just before "
+        "the optimizer step) or auto (background when a core is left over by the ranks' compute)");
   s.add("train.on_non_finite", "stop", "stop (error naming the parameter) or skip the step");
   s.add("train.log_every", int64_t{10}, "steps between metrics log lines (without a terminal)");
   s.add("train.resume", true, "resume from the newest committed checkpoint in <run.dir>/ckpt");
@@ -129,7 +132,12 @@ TrainOptions TrainOptions::from(const Config& c) {
   o.checkpoint_every = c.get<int64_t>("train.checkpoint_every");
   o.keep_last = c.get<int>("train.keep_last");
   o.snapshot_every = c.get<int64_t>("train.snapshot_every");
-  o.background_checkpoint_copy = c.get<bool>("train.background_copy");
+  const auto copy = c.get<std::string>("train.checkpoint_copy");
+  LOOM_CHECK(copy == "auto" || copy == "background" || copy == "optimizer_step", ConfigError,
+             "train.checkpoint_copy must be auto, background or optimizer_step, got '", copy, "'");
+  o.checkpoint_copy = copy == "background"       ? TrainOptions::CopyPlace::kBackground
+                      : copy == "optimizer_step" ? TrainOptions::CopyPlace::kAtOptimizerStep
+                                                 : TrainOptions::CopyPlace::kAuto;
   const auto non_finite = c.get<std::string>("train.on_non_finite");
   LOOM_CHECK(non_finite == "stop" || non_finite == "skip", ConfigError,
              "train.on_non_finite must be stop or skip, got '", non_finite, "'");
@@ -166,7 +174,8 @@ struct Trainer::Impl {
   // The training thread's.
   Series disk{"checkpoint"};
   Series snapshots{"snapshot"};
-  bool snapshot_busy = false;  // some rank's last snapshot was still being written (all agree)
+  bool snapshot_busy = false;   // some rank's last snapshot was still being written (all agree)
+  bool background_copy = true;  // TrainOptions::checkpoint_copy, resolved by fit()
   std::unique_ptr<metrics::MetricsLogger> metrics;
   int64_t step = 0;  // the next step's index = steps completed
   int64_t skipped = 0;
@@ -236,6 +245,24 @@ struct Trainer::Impl {
           "rate {}: the schedule sets the rate at every step, so {} is not used. Leave train.lr "
           "unset to train at the optimizer's rate, or make them agree",
           options.schedule->describe(), options.schedule->peak(), optimizer_lr, optimizer_lr);
+    }
+  }
+
+  // TrainOptions::checkpoint_copy: kAuto is the background when a core is left over by the
+  // node's ranks' compute threads (measured: bench_recovery --mode=stall, docs/training.md).
+  void resolve_copy_place() {
+    const unsigned cores = std::thread::hardware_concurrency();
+    const int64_t busy = static_cast<int64_t>(rt.local_world_size()) * at::get_num_threads();
+    using Place = TrainOptions::CopyPlace;
+    background_copy =
+        options.checkpoint_copy == Place::kBackground ||
+        (options.checkpoint_copy == Place::kAuto && busy < static_cast<int64_t>(cores));
+    if (options.checkpoint_copy == Place::kAuto) {
+      rt.log().info(
+          "checkpoint copies {}: {} local rank(s) x {} torch thread(s) on {} core(s) "
+          "(train.checkpoint_copy=auto)",
+          background_copy ? "in the background" : "at the optimizer step", rt.local_world_size(),
+          at::get_num_threads(), cores);
     }
   }
 
@@ -421,10 +448,9 @@ struct Trainer::Impl {
       series.checkpointer->save_sync(step, series.state);
       metrics->on_checkpoint_committed(step);
     } else {
-      series.pending =
-          series.checkpointer->save(step, series.state,
-                                    {.defer_copy = options.overlap_checkpoint_copy,
-                                     .background_copy = options.background_checkpoint_copy});
+      series.pending = series.checkpointer->save(
+          step, series.state,
+          {.defer_copy = options.overlap_checkpoint_copy, .background_copy = background_copy});
     }
   }
 
@@ -561,6 +587,7 @@ struct Trainer::Impl {
                             : metrics::PeakFlops{},
                 .log_every = options.log_every});
     resolve_schedule();
+    resolve_copy_place();
     open_checkpointers();
     FitResult result;
     if (!resume() && !options.init_from.empty()) init_weights();

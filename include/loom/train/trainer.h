@@ -79,11 +79,16 @@ struct TrainOptions {
   // without a snapshot directory (not under `loom run`): none.
   int64_t snapshot_every = 1;
   bool overlap_checkpoint_copy = true;  // copy the state during the next step's compute
-  // With overlap_checkpoint_copy: the copy runs on the Checkpointer's copy thread during the next
-  // step's data loading, forward and backward, and the optimizer step waits only for what is
-  // left (ckpt::SaveOptions::background_copy). false: the whole copy happens just before the
-  // optimizer step, on the training thread.
-  bool background_checkpoint_copy = true;
+  // With overlap_checkpoint_copy, where the copy of CPU tensors runs (CUDA tensors copy on a side
+  // stream either way). kBackground: on the Checkpointer's copy thread during the next step's
+  // data loading, forward and backward; the optimizer step waits only for what is left
+  // (ckpt::SaveOptions::background_copy). kAtOptimizerStep: all of it just before the optimizer
+  // step, over torch's threads. kAuto: in the background when the node has a core that no
+  // rank's compute uses (local ranks x torch threads < cores), else at the optimizer step: on a
+  // node whose cores all compute, a copy thread slows every step more than the copy stalls one
+  // (docs/training.md).
+  enum class CopyPlace { kAuto, kBackground, kAtOptimizerStep };
+  CopyPlace checkpoint_copy = CopyPlace::kAuto;
   NonFinite on_non_finite = NonFinite::kStop;
   LossScaling loss_scaling;    // off by default; for fp16 parameters
   int64_t log_every = 10;      // a metrics log line every this many steps (without a TTY)
