@@ -249,7 +249,7 @@ struct Trainer::Impl {
   }
 
   // TrainOptions::checkpoint_copy: kAuto is the background when a core is left over by the
-  // node's ranks' compute threads (measured: bench_recovery --mode=stall, docs/training.md).
+  // node's ranks' compute threads (measured: bench_recovery --mode=stall, docs/benchmarks.md).
   void resolve_copy_place() {
     const unsigned cores = std::thread::hardware_concurrency();
     const int64_t busy = static_cast<int64_t>(rt.local_world_size()) * at::get_num_threads();
