@@ -85,33 +85,41 @@ struct Outcome {
   double recomputed = 0;
 };
 
-// One job with a kill at rank 0's step `kill_at`.
-Outcome run_once(const Settings& s, bool snapshots, int kill_at, const fs::path& run) {
+// The command line of a GPT job at W = 2 under `loom run` in a fresh `run` directory: the KJV
+// data, no evaluation, sampling or log lines, then `extra` (the job's own settings).
+std::vector<std::string> gpt_job(const Settings& s, const fs::path& run, int max_restarts,
+                                 const std::vector<std::string>& extra) {
   fs::remove_all(run);
   fs::create_directories(run.parent_path());
-  const std::vector<std::string> argv = {
-      s.loom,
-      "run",
-      "--nproc-per-node",
-      "2",
-      "--max-restarts",
-      "1",
-      "--run-dir",
-      run.string(),
-      "--",
-      s.gpt,
-      "--config=" + s.config,
-      "--run.dir=" + run.string(),
-      "--data.train=" + s.data + "/kjv-train-bpe",
-      "--data.val=" + s.data + "/kjv-val-bpe",
-      "--train.steps=" + std::to_string(kill_at + s.after),
-      "--train.checkpoint_every=" + std::to_string(s.checkpoint_every),
-      "--train.snapshot_every=" + std::string(snapshots ? "1" : "0"),
-      "--train.warmup_steps=5",
-      "--train.eval_every=1000000",
-      "--train.log_every=1000000",
-      "--sample.tokens=0",
-      "--eval.batches=1"};
+  std::vector<std::string> argv = {s.loom,
+                                   "run",
+                                   "--nproc-per-node",
+                                   "2",
+                                   "--max-restarts",
+                                   std::to_string(max_restarts),
+                                   "--run-dir",
+                                   run.string(),
+                                   "--",
+                                   s.gpt,
+                                   "--config=" + s.config,
+                                   "--run.dir=" + run.string(),
+                                   "--data.train=" + s.data + "/kjv-train-bpe",
+                                   "--data.val=" + s.data + "/kjv-val-bpe",
+                                   "--train.eval_every=1000000",
+                                   "--train.log_every=1000000",
+                                   "--sample.tokens=0",
+                                   "--eval.batches=1"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+// One job with a kill at rank 0's step `kill_at`.
+Outcome run_once(const Settings& s, bool snapshots, int kill_at, const fs::path& run) {
+  const std::vector<std::string> argv = gpt_job(
+      s, run, 1,
+      {"--train.steps=" + std::to_string(kill_at + s.after),
+       "--train.checkpoint_every=" + std::to_string(s.checkpoint_every),
+       "--train.snapshot_every=" + std::string(snapshots ? "1" : "0"), "--train.warmup_steps=5"});
   auto job = loom::util::Subprocess::spawn({.argv = argv, .output = run.string() + ".out"});
   double killed_at = 0;
   for (;;) {
@@ -159,6 +167,20 @@ Stats stats_of(std::vector<double> v) {
   return {n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2, v.back() - v.front()};
 }
 
+loom::bench::Row row_of(const std::string& name, const Stats& loom, const Stats& baseline,
+                        const std::string& baseline_name, const char* unit, int rounds) {
+  return {"bench_recovery",
+          name,
+          loom.median,
+          baseline.median,
+          baseline_name,
+          unit,
+          loom.median > 0 ? baseline.median / loom.median : 0,
+          {{"loom_spread", loom.spread},
+           {"baseline_spread", baseline.spread},
+           {"rounds", static_cast<double>(rounds)}}};
+}
+
 // --mode=stall: one job of `s.stall_steps` steps; "background", "at the optimizer step" or
 // "none" (no snapshots). Rank 0's per-step checkpoint stall and step time, in seconds.
 struct StallRun {
@@ -166,33 +188,13 @@ struct StallRun {
 };
 
 StallRun run_stall(const Settings& s, const std::string& copy, const fs::path& run) {
-  fs::remove_all(run);
-  fs::create_directories(run.parent_path());
-  const std::vector<std::string> argv = {
-      s.loom,
-      "run",
-      "--nproc-per-node",
-      "2",
-      "--run-dir",
-      run.string(),
-      "--",
-      s.gpt,
-      "--config=" + s.config,
-      "--run.dir=" + run.string(),
-      "--data.train=" + s.data + "/kjv-train-bpe",
-      "--data.val=" + s.data + "/kjv-val-bpe",
-      "--model.n_layer=8",
-      "--model.n_head=7",
-      "--model.n_embd=448",
-      "--train.steps=" + std::to_string(s.stall_steps),
-      "--train.warmup_steps=2",
-      "--train.checkpoint_every=0",
-      "--train.snapshot_every=" + std::string(copy == "none" ? "0" : "1"),
-      "--train.checkpoint_copy=" + std::string(copy == "none" ? "auto" : copy),
-      "--train.eval_every=1000000",
-      "--train.log_every=1000000",
-      "--sample.tokens=0",
-      "--eval.batches=1"};
+  const std::vector<std::string> argv =
+      gpt_job(s, run, 0,
+              {"--model.n_layer=8", "--model.n_head=7", "--model.n_embd=448",
+               "--train.steps=" + std::to_string(s.stall_steps), "--train.warmup_steps=2",
+               "--train.checkpoint_every=0",
+               "--train.snapshot_every=" + std::string(copy == "none" ? "0" : "1"),
+               "--train.checkpoint_copy=" + std::string(copy == "none" ? "auto" : copy)});
   auto job = loom::util::Subprocess::spawn({.argv = argv, .output = run.string() + ".out"});
   const auto status = job.wait_for(std::chrono::minutes(20));
   LOOM_CHECK(status && status->ok(), loom::Error, "the job failed: see ", run.string(), ".out");
@@ -234,18 +236,8 @@ int stall_mode(const Settings& s) {
   const Stats cold_bg = stats_of(cold[0]), cold_inline = stats_of(cold[1]);
   const std::string inline_name = "the copy just before the optimizer step";
   auto row = [&](const std::string& name, const Stats& l, const Stats& b,
-                 const std::string& baseline, const char* unit) {
-    return loom::bench::Row{"bench_recovery",
-                            name,
-                            l.median,
-                            b.median,
-                            baseline,
-                            unit,
-                            l.median > 0 ? b.median / l.median : 0,
-                            {{"loom_spread", l.spread},
-                             {"baseline_spread", b.spread},
-                             {"rounds", static_cast<double>(s.rounds)}}};
-  };
+                 const std::string& baseline,
+                 const char* unit) { return row_of(name, l, b, baseline, unit, s.rounds); };
   std::vector<loom::bench::Row> rows = {
       row("stall/warm/gpt_20m/W2", warm_bg, warm_inline, inline_name, "s"),
       row("stall/cold/gpt_20m/W2", cold_bg, cold_inline, inline_name, "s"),
@@ -332,17 +324,8 @@ int main(int argc, char** argv) {
         "disk checkpoints every " + std::to_string(s.checkpoint_every) + " steps, no snapshots";
     std::vector<loom::bench::Row> rows;
     auto add = [&](const std::string& name, const std::vector<double>* values, const char* unit) {
-      const Stats l = stats_of(values[0]), b = stats_of(values[1]);
-      rows.push_back({"bench_recovery",
-                      name,
-                      l.median,
-                      b.median,
-                      baseline,
-                      unit,
-                      l.median > 0 ? b.median / l.median : 0,
-                      {{"loom_spread", l.spread},
-                       {"baseline_spread", b.spread},
-                       {"rounds", static_cast<double>(s.rounds)}}});
+      rows.push_back(
+          row_of(name, stats_of(values[0]), stats_of(values[1]), baseline, unit, s.rounds));
     };
     add("recovery/first_step/gpt_tiny/W2", first, "s");
     add("recovery/regain/gpt_tiny/W2", regain, "s");
