@@ -22,9 +22,11 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -249,13 +251,17 @@ struct Checkpointer::Impl {
   std::shared_ptr<Job> to_copy;  // a background copy for the copy thread
   bool stop = false;
   bool retiring = false;  // rank 0's writer is applying retention after a commit
+  // Set by the destructor while its owner unwinds: the commit stops waiting for other ranks.
+  std::atomic<bool> abandon{false};
 
   std::thread writer;  // started last in the constructor, with the copier
   std::thread copier;
 
   std::filesystem::path step_dir(int64_t step) const { return options.dir / step_dir_name(step); }
   StepCommit commit_of(int64_t step) const {
-    return StepCommit(store, options.store_prefix, step, options.rank, options.world_size);
+    StepCommit commit(store, options.store_prefix, step, options.rank, options.world_size);
+    commit.abandon_when(abandon);
+    return commit;
   }
   // Used by load(), verify() and friends on the training thread.
   ReadOptions read_options() {
@@ -569,6 +575,10 @@ Checkpointer::Checkpointer(comm::Store& store, CheckpointerOptions options,
 
 Checkpointer::~Checkpointer() {
   if (impl_->current) {
+    // Unwinding from a failure (a peer died, a collective failed) the other ranks' reports may
+    // never come: this rank's writes finish, but the commit gives up at once instead of holding
+    // the process for CheckpointerOptions::timeout, and the step is not committed.
+    if (std::uncaught_exceptions() > 0) impl_->abandon = true;
     try {
       SaveHandle(impl_->current).wait(impl_->options.timeout);
     } catch (const std::exception& e) {

@@ -2,6 +2,7 @@
 #include "ckpt/commit.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "loom/comm/store.h"
 #include "loom/error.h"
@@ -111,11 +112,30 @@ void StepCommit::report(RankStatus status, const std::string& detail) {
   phase_ = Phase::kReported;
 }
 
+std::string StepCommit::await(const std::string& name, const char* what,
+                              Clock::time_point deadline) {
+  const Clock::time_point start = Clock::now();
+  // Polls (Store::check) rather than one blocking get, so that an abandoned wait ends soon.
+  while (!store_.check({name})) {
+    LOOM_CHECK(abandon_ == nullptr || !abandon_->load(), Error, "checkpoint commit of step ",
+               step_, ": abandoned while waiting for ", what, " (key '", name,
+               "'): the Checkpointer's owner is unwinding from a failure");
+    const auto left = remaining(deadline);
+    if (left.count() == 0)
+      throw Timeout(detail::concat(
+          "checkpoint commit of step ", step_, ": timed out after ",
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count(),
+          " ms waiting for ", what, " (key '", name, "')"));
+    std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(left, kPoll));
+  }
+  return store_.get(name, std::chrono::milliseconds(0));
+}
+
 Verdict StepCommit::await_decision(Clock::time_point deadline) {
   expect(rank_ != 0 && phase_ == Phase::kReported, "await_decision()");
   const std::string name = key("commit");
   auto [decision, detail] =
-      decode(store_.get(name, remaining(deadline)), kDecisions, decision_name, name);
+      decode(await(name, "rank 0's decision", deadline), kDecisions, decision_name, name);
   phase_ = Phase::kDecided;
   return {decision, std::move(detail)};
 }
@@ -126,8 +146,9 @@ std::vector<RankReport> StepCommit::await_reports(Clock::time_point deadline) {
   try {
     for (int r = 1; r < world_size_; ++r) {
       const std::string name = key(detail::concat("rank_", r));
+      const std::string what = detail::concat("rank ", r, "'s report");
       auto [status, detail] =
-          decode(store_.get(name, remaining(deadline)), kStatuses, status_name, name);
+          decode(await(name, what.c_str(), deadline), kStatuses, status_name, name);
       reports.push_back({r, status, std::move(detail)});
     }
   } catch (const Error& e) {  // a rank that never reported (Timeout): the others fail fast too

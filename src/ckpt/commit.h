@@ -19,9 +19,10 @@
 // Rank 0 tallies the reports (tally()): a failure wins over a skip, a skip over success; it
 // decides kCommitted only after it wrote the manifest. A rank that does not report before the
 // deadline fails the step on every rank: await_reports() decides kFailed, naming the key, and
-// raises Timeout. Not thread-safe: one thread drives one StepCommit.
+// raises Timeout; so does an abandoned wait (abandon_when), with its Error. Not thread-safe: one thread drives one StepCommit.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -79,6 +80,13 @@ class StepCommit {
   // Every rank, last, whatever happened before: the last rank to finish removes the keys.
   void finish();
 
+  // From now on the waits above give up, within kPoll, once `flag` is true (raising Error
+  // "... abandoned ..."), instead of waiting out their deadline: the Checkpointer sets it when
+  // its owner unwinds from a failure, which a dead peer's report would never end. The flag must
+  // outlive this object.
+  void abandon_when(const std::atomic<bool>& flag) { abandon_ = &flag; }
+  static constexpr std::chrono::milliseconds kPoll{50};
+
   Phase phase() const { return phase_; }
   int64_t step() const { return step_; }
   // "<prefix>/<step>/<name>".
@@ -86,6 +94,9 @@ class StepCommit {
 
  private:
   void expect(bool allowed, const char* call) const;
+  // The value of key `name`, waiting for it until the deadline (Timeout naming the key and
+  // `what` it is) or until abandoned.
+  std::string await(const std::string& name, const char* what, Clock::time_point deadline);
 
   // Constant after construction.
   comm::Store& store_;
@@ -95,6 +106,7 @@ class StepCommit {
   const int world_size_;
 
   Phase phase_ = Phase::kOpen;
+  const std::atomic<bool>* abandon_ = nullptr;
 };
 
 }  // namespace loom::ckpt

@@ -147,6 +147,9 @@ class Checkpointer {
   Checkpointer(comm::Store& store, CheckpointerOptions options);
   // Tests: the same with an injected storage seam.
   Checkpointer(comm::Store& store, CheckpointerOptions options, std::shared_ptr<Storage> storage);
+  // Waits for the save in flight (up to options().timeout) and logs its failure. While the
+  // owner unwinds from an exception, that save's commit does not wait for other ranks (a dead
+  // peer never reports): it fails at once and the step is not committed.
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;

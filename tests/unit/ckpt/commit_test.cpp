@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <thread>
+
 #include "harness/harness.h"
 #include "loom/comm/store.h"
 #include "loom/error.h"
@@ -86,7 +89,9 @@ TEST(Commit, ARankThatNeverReportsFailsTheStepOnEveryRank) {
   rank1.report(RankStatus::kWritten, "{}");
   // Rank 2 never reports; the deadline has passed.
   const std::string timeout = error_of<Timeout>([&] { rank0.await_reports(Clock::now()); });
-  EXPECT_EQ(timeout, "InMemoryStore: timed out after 0 ms waiting for key(s) 'ckpt/3/rank_2'");
+  EXPECT_EQ(timeout,
+            "checkpoint commit of step 3: timed out after 0 ms waiting for rank 2's report (key "
+            "'ckpt/3/rank_2')");
   EXPECT_EQ(rank0.phase(), StepCommit::Phase::kDecided);
   EXPECT_EQ(rank1.await_decision(kLater), (Verdict{Decision::kFailed, "rank 0: " + timeout}));
 }
@@ -96,7 +101,36 @@ TEST(Commit, ADecisionThatNeverComesIsATimeoutNamingTheKey) {
   StepCommit rank1(store, "ckpt", 4, 1, 2);
   rank1.report(RankStatus::kWritten, "{}");
   EXPECT_EQ(error_of<Timeout>([&] { rank1.await_decision(Clock::now()); }),
-            "InMemoryStore: timed out after 0 ms waiting for key(s) 'ckpt/4/commit'");
+            "checkpoint commit of step 4: timed out after 0 ms waiting for rank 0's decision (key "
+            "'ckpt/4/commit')");
+}
+
+TEST(Commit, AnAbandonedWaitEndsBeforeItsDeadlineAndFailsTheStep) {
+  comm::InMemoryStore store;
+  std::atomic<bool> abandon{false};
+  StepCommit rank0(store, "ckpt", 5, 0, 2), rank1(store, "ckpt", 5, 1, 2);
+  rank0.abandon_when(abandon);
+  std::thread owner([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    abandon = true;  // rank 1 is dead: its report never comes
+  });
+  const auto start = Clock::now();
+  const std::string abandoned = error_of<Error>([&] { rank0.await_reports(kLater); });
+  EXPECT_EQ(abandoned,
+            "checkpoint commit of step 5: abandoned while waiting for rank 1's report (key "
+            "'ckpt/5/rank_1'): the Checkpointer's owner is unwinding from a failure");
+  owner.join();
+  EXPECT_LT(Clock::now() - start, std::chrono::minutes(1));  // not the deadline, 5 minutes on
+  EXPECT_EQ(rank0.phase(), StepCommit::Phase::kDecided);
+  rank1.report(RankStatus::kWritten, "{}");
+  EXPECT_EQ(rank1.await_decision(kLater), (Verdict{Decision::kFailed, "rank 0: " + abandoned}));
+
+  StepCommit waiting1(store, "ckpt", 6, 1, 2);
+  waiting1.abandon_when(abandon);
+  waiting1.report(RankStatus::kWritten, "{}");
+  EXPECT_EQ(error_of<Error>([&] { waiting1.await_decision(kLater); }),
+            "checkpoint commit of step 6: abandoned while waiting for rank 0's decision (key "
+            "'ckpt/6/commit'): the Checkpointer's owner is unwinding from a failure");
 }
 
 TEST(Commit, ASkipOrAFailureOfRankZeroDecidesAtOnce) {

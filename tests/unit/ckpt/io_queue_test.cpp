@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 
 #include "harness/harness.h"
 #include "loom/error.h"
@@ -48,8 +49,16 @@ TEST(IoQueue, NeverRunsMoreOperationsAtOnceThanItHasThreads) {
 
 TEST(IoQueue, WaitRaisesItsOperationsFailureOnce) {
   IoQueue io(2);
-  const auto bad = io.submit([] { throw IoError("writing f at offset 0: disk on fire"); });
+  // bad fails only once good is queued: a failure already finished would be raised by the
+  // second submit() instead (SubmitAfterAFailureRaisesItAndQueuesNothing).
+  std::promise<void> good_queued;
+  std::shared_future<void> queued = good_queued.get_future().share();
+  const auto bad = io.submit([queued] {
+    queued.wait();
+    throw IoError("writing f at offset 0: disk on fire");
+  });
   const auto good = io.submit([] {});
+  good_queued.set_value();
   EXPECT_EQ(error_of<IoError>([&] { io.wait(bad); }), "writing f at offset 0: disk on fire");
   io.wait(good);
   io.drain();  // raised already: nothing left
