@@ -117,8 +117,8 @@ std::string StepCommit::await(const std::string& name, const char* what,
   const Clock::time_point start = Clock::now();
   // Polls (Store::check) rather than one blocking get, so that an abandoned wait ends soon.
   while (!store_.check({name})) {
-    LOOM_CHECK(abandon_ == nullptr || !abandon_->load(), Error, "checkpoint commit of step ",
-               step_, ": abandoned while waiting for ", what, " (key '", name,
+    LOOM_CHECK(abandon_ == nullptr || !abandon_->load(), Error, "checkpoint commit of step ", step_,
+               ": abandoned while waiting for ", what, " (key '", name,
                "'): the Checkpointer's owner is unwinding from a failure");
     const auto left = remaining(deadline);
     if (left.count() == 0)

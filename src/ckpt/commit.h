@@ -19,7 +19,8 @@
 // Rank 0 tallies the reports (tally()): a failure wins over a skip, a skip over success; it
 // decides kCommitted only after it wrote the manifest. A rank that does not report before the
 // deadline fails the step on every rank: await_reports() decides kFailed, naming the key, and
-// raises Timeout; so does an abandoned wait (abandon_when), with its Error. Not thread-safe: one thread drives one StepCommit.
+// raises Timeout; so does an abandoned wait (abandon_when), with its Error. Not thread-safe: one
+// thread drives one StepCommit.
 #pragma once
 
 #include <atomic>
