@@ -124,6 +124,11 @@ void StepReader::fetch(const Op& op, char* buffer) {
              " ended early while reading it (truncated)");
 }
 
+bool StepReader::whole_chunks(const Op& op) {
+  const Piece& p = *op.piece;
+  return op.from % p.chunk_bytes == 0 && (op.to % p.chunk_bytes == 0 || op.to == p.bytes);
+}
+
 void StepReader::consume(const Op& op, const char* data, bool verify,
                          std::optional<util::Hasher64>& partial) {
   if (verify) {
@@ -154,13 +159,9 @@ void StepReader::consume(const Op& op, const char* data, bool verify,
 
 void StepReader::run(const std::vector<Op>& ops, bool verify) {
   if (ops.empty()) return;
-  // The I/O threads only read, so that `threads` reads are in flight while the calling thread
-  // hashes and copies the op before them, in order (a chunk that spans reads is hashed across
-  // them). Buffer i % slots holds op i from its read until it is consumed. Hashing on the I/O
-  // threads as well was slower: while every thread hashed, no read was in flight
-  // (docs/benchmarks.md, bench_ckpt).
-  const size_t threads = static_cast<size_t>(options_.io_threads);
-  const size_t slots = threads + 1;
+  // Buffer i % slots holds op i from its read until it is hashed and copied: the I/O threads
+  // work on up to `threads` ops ahead of the one the calling thread waits for.
+  const size_t slots = static_cast<size_t>(options_.io_threads) + 1;
   uint64_t slot_bytes = 0;
   for (const Op& op : ops)
     slot_bytes = std::max(slot_bytes, align_up(op.bytes(), kDirectAlignment));
@@ -172,25 +173,36 @@ void StepReader::run(const std::vector<Op>& ops, bool verify) {
   }
   auto buffer = [&](size_t i) { return buffers.data() + (i % slots) * slot_bytes; };
   IoQueue io(options_.io_threads);  // after buffers: joined (reads finished) before they go
+  // An op on an I/O thread whose chunks lie whole inside it is also verified and copied there,
+  // so that hashing and copying use every core; the calling thread does the rest, in order
+  // (a chunk that spans reads is hashed across them).
   std::vector<std::optional<IoQueue::Ticket>> tickets(ops.size());
-  auto start = [&](size_t k) {
-    if (k >= ops.size()) return;
-    const Op& op = ops[k];
-    // Small reads come from the page cache (readahead): a thread hop would cost more.
-    if (op.bytes() < kDirectReadBytes) return;
-    char* into = buffer(k);
-    tickets[k] = io.submit([this, &op, into] { fetch(op, into); });
-  };
-  for (size_t k = 0; k < threads; ++k) start(k);
+  std::vector<bool> done_there(ops.size(), false);
   std::optional<util::Hasher64> partial;
+  size_t submitted = 0;
   for (size_t i = 0; i < ops.size(); ++i) {
+    for (; submitted < ops.size() && submitted < i + slots; ++submitted) {
+      const Op& op = ops[submitted];
+      // Small reads come from the page cache (readahead): a thread hop would cost more.
+      if (op.bytes() < kDirectReadBytes) continue;
+      char* into = buffer(submitted);
+      const bool consume_there = !verify || whole_chunks(op);
+      done_there[submitted] = consume_there;
+      tickets[submitted] = io.submit([this, &op, into, verify, consume_there] {
+        fetch(op, into);
+        if (!consume_there) return;
+        std::optional<util::Hasher64> unused;
+        consume(op, into, verify, unused);
+      });
+    }
+    const Op& op = ops[i];
+    char* data = buffer(i);
     if (tickets[i]) {
       io.wait(*tickets[i]);
     } else {
-      fetch(ops[i], buffer(i));
+      fetch(op, data);
     }
-    start(i + threads);  // never blocks: at most threads - 1 reads are unfinished now
-    consume(ops[i], buffer(i), verify, partial);
+    if (!done_there[i]) consume(op, data, verify, partial);
   }
   io.drain();
 }

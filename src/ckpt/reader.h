@@ -4,8 +4,9 @@
 // A read is planned first (which byte ranges of which files, every piece checked to lie inside
 // its file before anything is allocated for it), then run as a pipeline: I/O threads read the
 // next ranges (O_DIRECT where the file system allows it and the range is large and aligned)
-// into a few buffers while the calling thread hashes and copies the ranges before them into
-// the caller's memory, in order (and itself reads the small ranges).
+// into a few buffers, then hash and copy them into the caller's memory, while the calling
+// thread waits for them in order (and itself reads the small ranges and hashes chunks that
+// span two reads).
 #pragma once
 
 #include <cstdint>
@@ -83,8 +84,10 @@ class StepReader {
   // Reads op into buffer (on an I/O thread or the calling one).
   void fetch(const Op& op, char* buffer);
   // Checks op's chunks (with verify) and copies its wanted bytes to its dest. `partial` carries
-  // the hash of a chunk that started in an earlier op.
+  // the hash of a chunk that started in an earlier op; ops whose chunks lie whole inside them
+  // (whole_chunks) need none and may be consumed on any thread.
   void consume(const Op& op, const char* data, bool verify, std::optional<util::Hasher64>& partial);
+  static bool whole_chunks(const Op& op);
   void run(const std::vector<Op>& ops, bool verify);
 
   std::shared_ptr<Storage> storage_;
