@@ -9,9 +9,10 @@
 //   torch       the same Loom save beside torch::save + fsync of the same tensors;
 //   load        load() with hash verification, from a cold page cache (posix_fadvise DONTNEED),
 //               beside a raw O_DIRECT pread of the same bytes (the disk's limit);
-//   *_vs_parallel  the same save and load beside raw O_DIRECT transfers with as many 8 MiB
-//               blocks in flight as Loom has I/O threads (--io-threads): one pwrite or pread at
-//               a time is not the disk's limit when two in flight are faster.
+//   *_vs_parallel  the same save and load beside raw O_DIRECT transfers in Loom's pattern: as
+//               many 8 MiB writes in flight as Loom has I/O threads (--io-threads), as many reads
+//               of --read-bytes in flight as Loom has at load (--reads-in-flight): one pwrite or
+//               pread at a time is not the disk's limit when several in flight are faster.
 //   step_*      a training step's stand-in: save(defer_copy) after the optimizer step, then
 //               --step-compute seconds of matmuls over torch's threads (forward and backward),
 //               then before_optimizer_step(). Loom's copy thread copying during the compute
@@ -64,7 +65,9 @@ struct Settings {
   std::string dir;  // default: $TMPDIR/loom-bench-ckpt-<pid>
   bool json = false;
   bool verbose = false;  // the checkpointer's debug log: time per phase of each save
-  int io_threads = loom::ckpt::CheckpointerOptions{}.io_threads;  // Loom's writes/reads in flight
+  int io_threads = loom::ckpt::CheckpointerOptions{}.io_threads;     // Loom's writes in flight
+  size_t read_bytes = loom::ckpt::CheckpointerOptions{}.read_bytes;  // Loom's bytes per read
+  int reads_in_flight = loom::ckpt::CheckpointerOptions{}.reads_in_flight;
   double step_compute = 0.5;  // seconds of matmuls standing in for a step's forward and backward
 };
 
@@ -136,11 +139,11 @@ double raw_read(const std::filesystem::path& path, char* buffer, size_t size) {
   return seconds_since(start);
 }
 
-// The same O_DIRECT transfer of [0, size) in 8 MiB blocks, with `threads` blocks in flight (one
-// pwrite or pread per thread at a time, blocks taken in order): the disk's limit at the queue
-// depth Loom's I/O threads use. Writes end with an fsync.
+// The same O_DIRECT transfer of [0, size) in blocks of `block` bytes, with `threads` blocks in
+// flight (one pwrite or pread per thread at a time, blocks taken in order): the disk's limit at
+// the block size and queue depth Loom uses. Writes end with an fsync.
 double raw_parallel(char* data, size_t size, const std::filesystem::path& path, int threads,
-                    bool write) {
+                    size_t block, bool write) {
   auto start = Clock::now();
   const int flags = write ? O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT : O_RDONLY | O_DIRECT;
   loom::util::UniqueFd fd(LOOM_CHECK_SYS(::open(path.c_str(), flags, 0644), "opening ", path));
@@ -149,8 +152,8 @@ double raw_parallel(char* data, size_t size, const std::filesystem::path& path, 
   std::vector<std::thread> workers;
   for (int t = 0; t < threads; ++t) {
     workers.emplace_back([&] {
-      for (size_t at; (at = next.fetch_add(kIoBytes)) < size;) {
-        const size_t n = std::min(kIoBytes, size - at);
+      for (size_t at; (at = next.fetch_add(block)) < size;) {
+        const size_t n = std::min(block, size - at);
         const ssize_t done = write ? ::pwrite(fd.get(), data + at, n, static_cast<off_t>(at))
                                    : ::pread(fd.get(), data + at, n, static_cast<off_t>(at));
         if (done != static_cast<ssize_t>(n)) failed = true;
@@ -269,8 +272,11 @@ int run(const Settings& s) {
     const auto raw = dir / loom::detail::concat("raw_", round, ".bin");
     // A new Checkpointer each round: its first save allocates and touches the staging memory
     // (cold); the second is the steady state a training loop sees on every later save (warm).
-    loom::ckpt::Checkpointer ckpt(
-        store, {.dir = dir / "loom", .keep_last = 1, .io_threads = s.io_threads});
+    loom::ckpt::Checkpointer ckpt(store, {.dir = dir / "loom",
+                                          .keep_last = 1,
+                                          .io_threads = s.io_threads,
+                                          .read_bytes = s.read_bytes,
+                                          .reads_in_flight = s.reads_in_flight});
     start = Clock::now();
     auto first = ckpt.save(++step, state);
     cold_stall_s.s.push_back(seconds_since(start));
@@ -326,7 +332,7 @@ int run(const Settings& s) {
 
     const auto parallel = dir / loom::detail::concat("parallel_", round, ".bin");
     parallel_write_s.s.push_back(
-        raw_parallel(buffer.get(), padded, parallel, s.io_threads, /*write=*/true));
+        raw_parallel(buffer.get(), padded, parallel, s.io_threads, kIoBytes, /*write=*/true));
     const auto buffered = dir / loom::detail::concat("buffered_", round, ".bin");
     buffered_write_s.s.push_back(raw_write(buffer.get(), padded, buffered, false));
     std::filesystem::remove(buffered);
@@ -350,8 +356,9 @@ int run(const Settings& s) {
         [&] {
           raw_read_s.s.push_back(raw_read(raw, buffer.get(), padded));
           drop_cache(parallel);
-          parallel_read_s.s.push_back(
-              raw_parallel(buffer.get(), padded, parallel, s.io_threads, /*write=*/false));
+          parallel_read_s.s.push_back(raw_parallel(buffer.get(), padded, parallel,
+                                                   s.reads_in_flight, s.read_bytes,
+                                                   /*write=*/false));
         });
     std::filesystem::remove(parallel);
     for (int i = 0; i < s.tensors; ++i)
@@ -373,7 +380,7 @@ int run(const Settings& s) {
       {"save_vs_buffered", save_s, buffered_write_s, "raw buffered write + fsync", total, "-"},
       {"save_vs_torch", save_s, torch_s, "torch::save + fsync", total, "> 1"},
       {"load", load_s, raw_read_s, "raw O_DIRECT pread (the limit)", total, ">= 0.9"},
-      {"load_vs_parallel", load_s, parallel_read_s, "the same, io-threads reads in flight", total,
+      {"load_vs_parallel", load_s, parallel_read_s, "raw reads in Loom's size and number", total,
        "-"},
       {"step_time", step_s, step_inline_s, "the copy at the optimizer step, all threads", 0, "> 1"},
       {"step_stall", step_stall_s, step_stall_inline_s, "the copy at the optimizer step", 0, "> 1"},
@@ -383,12 +390,13 @@ int run(const Settings& s) {
   };
   if (!s.json) {
     std::printf(
-        "bench_ckpt: %s in %d float32 tensors, 1 rank, %d I/O threads, dir %s, %d rounds; s = "
+        "bench_ckpt: %s in %d float32 tensors, 1 rank, %d I/O threads (save), %d reads of %zu KiB "
+        "in flight (load), dir %s, %d rounds; s = "
         "median over rounds, spread = (max - min) / median, ratio = median baseline / median "
         "loom, paired = median [min, max] of the rounds' own ratios; step compute: %d 512x512 "
         "matmuls on %d threads (median %.3f s)\n",
-        size_text.c_str(), s.tensors, s.io_threads, dir.c_str(), s.rounds, matmuls,
-        at::get_num_threads(), compute_s.median());
+        size_text.c_str(), s.tensors, s.io_threads, s.reads_in_flight, s.read_bytes >> 10,
+        dir.c_str(), s.rounds, matmuls, at::get_num_threads(), compute_s.median());
     std::printf("%-16s %9s %7s %7s | %9s %7s %7s  %-39s | %6s %20s %7s\n", "case", "loom s",
                 "spread", "GB/s", "base s", "spread", "GB/s", "baseline is", "ratio", "paired",
                 "target");
@@ -446,7 +454,11 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", s.rounds, "rounds; the median of each case counts")
       ->check(CLI::Range(1, 100));
   app.add_option("--dir", s.dir, "directory on the disk to measure (default: under $TMPDIR)");
-  app.add_option("--io-threads", s.io_threads, "Loom's I/O threads (writes or reads in flight)")
+  app.add_option("--io-threads", s.io_threads, "Loom's I/O threads at save (writes in flight)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--read-bytes", s.read_bytes, "Loom's bytes per read at load (multiple of 4096)")
+      ->check(CLI::Range(size_t{4096}, size_t{1} << 30));
+  app.add_option("--reads-in-flight", s.reads_in_flight, "Loom's reads in flight at load")
       ->check(CLI::Range(1, 64));
   app.add_option("--step-compute", s.step_compute,
                  "seconds of matmuls standing in for a training step's forward and backward")

@@ -265,8 +265,8 @@ struct Checkpointer::Impl {
   }
   // Used by load(), verify() and friends on the training thread.
   ReadOptions read_options() {
-    return {.io_threads = options.io_threads,
-            .read_bytes = options.write_bytes,
+    return {.io_threads = options.reads_in_flight,
+            .read_bytes = options.read_bytes,
             .direct_io = options.direct_io,
             .buffers = &read_buffers};
   }
@@ -562,10 +562,12 @@ Checkpointer::Checkpointer(comm::Store& store, CheckpointerOptions options,
              InvalidArgument, "CheckpointerOptions: rank ", options.rank,
              " is not in [0, world_size = ", options.world_size, ")");
   LOOM_CHECK(options.write_bytes > 0 && options.write_bytes % kDirectAlignment == 0 &&
-                 options.hash_chunk_bytes >= 16 && options.io_threads > 0,
+                 options.read_bytes > 0 && options.read_bytes % kDirectAlignment == 0 &&
+                 options.hash_chunk_bytes >= 16 && options.io_threads > 0 &&
+                 options.reads_in_flight > 0,
              InvalidArgument,
-             "CheckpointerOptions: write_bytes must be a positive multiple of 4096, "
-             "hash_chunk_bytes >= 16 and io_threads > 0");
+             "CheckpointerOptions: write_bytes and read_bytes must be positive multiples of "
+             "4096, hash_chunk_bytes >= 16, io_threads and reads_in_flight > 0");
   LOOM_CHECK(storage != nullptr, InvalidArgument, "Checkpointer: storage is null");
   storage->create_dirs(options.dir);
   impl_ = std::make_unique<Impl>(store, std::move(options), std::move(storage));

@@ -28,8 +28,8 @@ class HostBuffer;
 }
 
 struct ReadOptions {
-  int io_threads = 2;                   // reads in flight while the caller hashes and copies
-  size_t read_bytes = size_t{8} << 20;  // bytes per read (a multiple of 4 KiB)
+  int io_threads = 4;                   // reads in flight while the caller hashes and copies
+  size_t read_bytes = size_t{1} << 20;  // bytes per read (a multiple of 4 KiB)
   bool direct_io = true;                // O_DIRECT for aligned reads of at least kDirectReadBytes
   // Where the read buffers live: when set, reused from read to read (grown when too small), so
   // that later loads do not touch fresh memory again; null: allocated per read. Not owned.

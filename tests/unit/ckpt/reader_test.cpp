@@ -255,7 +255,7 @@ TEST(Reader, PipelinedReadsReturnExactlyTheSavedBytes) {
     TempDir dir;
     comm::InMemoryStore store;
     const CheckpointerOptions options{
-        .dir = dir.path(), .write_bytes = sizes.read, .hash_chunk_bytes = sizes.chunk};
+        .dir = dir.path(), .read_bytes = sizes.read, .hash_chunk_bytes = sizes.chunk};
     {
       Checkpointer ckpt(store, options);
       State s;
@@ -276,7 +276,7 @@ TEST(Reader, PipelinedReadsReturnExactlyTheSavedBytes) {
       Checkpointer rank1(store, {.dir = dir.path(),
                                  .rank = 1,
                                  .world_size = 3,
-                                 .write_bytes = sizes.read,
+                                 .read_bytes = sizes.read,
                                  .hash_chunk_bytes = sizes.chunk});
       State part;
       part.add("big", torch::zeros({e - b}), Sharding::flat({n}, b, e));
@@ -297,7 +297,7 @@ TEST(Reader, ACorruptChunkIsCorruptDataWhereverItIsHashed) {
     TempDir dir;
     comm::InMemoryStore store;
     const CheckpointerOptions options{
-        .dir = dir.path(), .write_bytes = sizes.read, .hash_chunk_bytes = sizes.chunk};
+        .dir = dir.path(), .read_bytes = sizes.read, .hash_chunk_bytes = sizes.chunk};
     const torch::Tensor w = torch::arange((2 << 20) / 4, torch::kFloat32);  // 2 MiB
     {
       Checkpointer ckpt(store, options);
