@@ -117,14 +117,21 @@ TEST(Coordinator, ASilentWorkerEndsItsGeneration) {
   worker.set_rank(0);
   worker.set_generation(1);
   worker.set_step(12);
+  const auto last_beat = std::chrono::steady_clock::now();  // before it is sent
   client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, worker);
   const auto status =
       client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
   ASSERT_EQ(status.workers_size(), 1);
   EXPECT_EQ(status.workers(0).step(), 12);
-  std::this_thread::sleep_for(milliseconds(800));
-  const auto after =
-      client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
+  // Polled until the generation ends (a condition, not a sleep: a loaded machine only makes it
+  // later), and not before the worker timeout has passed since the last heartbeat.
+  v1::JobStatus after;
+  const auto give_up = last_beat + std::chrono::seconds(30);
+  do {
+    std::this_thread::sleep_for(milliseconds(20));
+    after = client.call("GetStatus", &CoordinatorClient::Stub::GetStatus, v1::StatusRequest());
+  } while (after.state() != v1::ENDED && std::chrono::steady_clock::now() < give_up);
+  EXPECT_GE(std::chrono::steady_clock::now() - last_beat, milliseconds(300));
   EXPECT_EQ(after.state(), v1::ENDED);
   EXPECT_NE(after.last_failure().find("rank 0 missed heartbeats"), std::string::npos)
       << after.last_failure();
