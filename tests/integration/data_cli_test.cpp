@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "harness/harness.h"
 #include "harness/servers.h"
@@ -65,19 +66,34 @@ TEST(DataCli, KjvTextBecomesATokenDatasetThatReadsBack) {
 
   ProgramResult verified = loom({"data", "verify", ds.string()}, dir);
   EXPECT_EQ(verified.exit_code, 0) << verified.output;
-  ProgramResult shown = loom({"data", "show", ds.string(), "--seq-len", "16", "--batch", "2",
-                              "--world", "2", "--rank", "1", "--step", "3", "--color", "never"},
-                             dir);
+  ProgramResult shown =
+      loom({"data", "show", ds.string(), "--seq-len", "16", "--batch", "2", "--world", "2",
+            "--rank", "1", "--step", "3", "--color", "never", "--ids"},
+           dir);
   ASSERT_EQ(shown.exit_code, 0) << shown.output;
   EXPECT_TRUE(contains(shown.output, "rank 1 of 2, step 3")) << shown.output;
   EXPECT_TRUE(contains(shown.output, "|")) << shown.output;
 
-  // show prints exactly what the reader gives that rank at that step.
+  // show prints exactly what the reader gives that rank at that step: every sample's dataset
+  // index and every token id, in order.
   Reader rank1(ds, {.batch_size = 2, .seq_len = 16, .rank = 1, .world_size = 2});
   for (int s = 0; s < 3; ++s) rank1.next();
   const Batch step3 = rank1.next();
-  EXPECT_TRUE(contains(shown.output, "dataset index " + std::to_string(step3.indices[0])))
-      << shown.output;
+  std::vector<std::string> expected, printed;
+  for (int64_t k = 0; k < 2; ++k) {
+    expected.push_back("sample " + std::to_string(k) + ": dataset index " +
+                       std::to_string(step3.indices[k]));
+    std::string ids = "ids:";
+    const at::Tensor row = step3["tokens"][k];
+    for (int64_t t = 0; t < row.numel(); ++t) ids += " " + std::to_string(row[t].item<int64_t>());
+    expected.push_back(ids);
+  }
+  std::istringstream lines(shown.output);
+  for (std::string line; std::getline(lines, line);) {
+    line.erase(0, line.find_first_not_of(' '));
+    if (line.rfind("sample ", 0) == 0 || line.rfind("ids:", 0) == 0) printed.push_back(line);
+  }
+  EXPECT_EQ(printed, expected) << shown.output;
 }
 
 TEST(DataCli, FashionMnistBecomesARecordDatasetThatReadsBack) {
