@@ -211,6 +211,28 @@ TEST(DatasetIntegrity, TruncatedShardFailsAtOpen) {
   EXPECT_FALSE(verify_dataset(ds).ok);
 }
 
+// A token shard cut short, by part of a token and by whole tokens: refused at open, naming the
+// file, its size and the size the manifest promises; verify says the same.
+TEST(DatasetIntegrity, TruncatedTokenShardFailsAtOpen) {
+  for (const uintmax_t cut : {uintmax_t{1}, uintmax_t{8}}) {
+    SCOPED_TRACE(::testing::Message() << "cut " << cut << " bytes");
+    TempDir dir;
+    const auto ds = dir.path() / "ds";
+    write_counting_tokens(ds, {40, 40});
+    const auto shard = ds / "tokens_00001.bin";
+    const uintmax_t size = fs::file_size(shard);
+    fs::resize_file(shard, size - cut);
+    const std::string expected = "shard " + shard.string() + " is " + std::to_string(size - cut) +
+                                 " bytes but the manifest says " + std::to_string(size) +
+                                 " (truncated); restore it or rebuild the dataset";
+    EXPECT_EQ(error_of<CorruptData>([&] { Reader(ds, {.seq_len = 4}); }), expected);
+    const VerifyReport report = verify_dataset(ds);
+    EXPECT_FALSE(report.ok);
+    EXPECT_EQ(report.file, shard.string());
+    EXPECT_EQ(report.problem, expected);
+  }
+}
+
 TEST(DatasetIntegrity, MissingShardIsAnIoError) {
   TempDir dir;
   const auto ds = dir.path() / "ds";
