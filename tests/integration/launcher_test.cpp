@@ -96,6 +96,32 @@ int finish(Launch& l, std::chrono::seconds timeout = std::chrono::seconds(60)) {
   return status->signal ? 128 + status->signal : status->code;
 }
 
+// Under Slurm (one `loom run` per node, started by srun) the layout comes from Slurm's
+// environment: the node count, this node's rank, the workers per node ("2(x1)") and the
+// coordinator on the first host of the node list, at Slurm's conventional port.
+TEST_F(Launcher, SlurmsEnvironmentGivesTheLayout) {
+  TempDir dir;
+  Launch job = launch(dir, "job", {}, {},
+                      {{"SLURM_JOB_ID", "7"},
+                       {"SLURM_NODEID", "0"},
+                       {"SLURM_NNODES", "1"},
+                       {"SLURM_NTASKS_PER_NODE", "2(x1)"},
+                       {"SLURM_JOB_NODELIST", "127.0.0.[1-2,5]"}});
+  ASSERT_EQ(finish(job), 0) << job.text();
+  const std::string out = job.text();
+  EXPECT_NE(out.find("[loom run] coordinator listening on 127.0.0.1:29400\n"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("[loom run] generation 1: node 0 of 1, ranks 0-1 of world size 2\n"),
+            std::string::npos)
+      << out;
+  const auto probes = wait_probes(dir, 1, 2, std::chrono::seconds(1));
+  ASSERT_EQ(probes.size(), 2u) << out;
+  for (const json& p : probes) {
+    EXPECT_EQ(p["world"], 2);
+    EXPECT_EQ(p["sum"], 3.0);
+  }
+}
+
 TEST_F(Launcher, OneNodeTwoWorkersRendezvousAndAllReduce) {
   TempDir dir;
   Launch job = launch(dir, "job", {"--nproc-per-node", "2"}, {});
