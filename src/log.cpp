@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "loom/error.h"
+#include "util/files.h"
 
 namespace loom::log {
 
@@ -27,8 +28,14 @@ std::shared_ptr<spdlog::logger> make_logger(int rank, int world_size, const std:
   std::vector<spdlog::sink_ptr> sinks;
   sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
   if (file) {
-    std::filesystem::create_directories(file->parent_path());
-    sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(file->string()));
+    util::create_directories(file->parent_path(), "the log directory",
+                             "make it writable or set log.to_file = false");
+    try {
+      sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(file->string()));
+    } catch (const spdlog::spdlog_ex& e) {
+      throw IoError(detail::concat("cannot open the log file ", file->string(), ": ", e.what(),
+                                   "; make it writable or set log.to_file = false"));
+    }
   }
   auto logger = std::make_shared<spdlog::logger>(detail::concat("loom.rank", rank), sinks.begin(),
                                                  sinks.end());

@@ -206,7 +206,8 @@ Runtime Runtime::init(const Config& config, const Topology& topology, bool confi
   impl->topology = topology;
   impl->config = config;
   impl->run_dir = std::filesystem::absolute(config.get<std::string>("run.dir"));
-  std::filesystem::create_directories(impl->run_dir);
+  util::create_directories(impl->run_dir, "the run directory",
+                           "set run.dir to a directory this process can create and write");
 
   std::optional<std::filesystem::path> log_file;
   if (config.get<bool>("log.to_file")) {

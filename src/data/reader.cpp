@@ -32,7 +32,10 @@ at::ScalarType scalar_type(const std::string& dtype) {
       {"int32", at::kInt},         {"int64", at::kLong},    {"float16", at::kHalf},
       {"bfloat16", at::kBFloat16}, {"float32", at::kFloat}, {"float64", at::kDouble},
       {"bool", at::kBool}};
-  return types.at(dtype);
+  const auto it = types.find(dtype);
+  LOOM_CHECK(it != types.end(), CorruptData, "the dataset's manifest names tensor dtype '", dtype,
+             "', which this Loom does not read");
+  return it->second;
 }
 
 // Index of the shard holding global item `i`, given each shard's first item (begins[0] == 0).

@@ -717,8 +717,16 @@ struct DataParallel::Impl {
     const auto blob = source.blobs.find("optim");
     LOOM_CHECK(blob != source.blobs.end(), InvalidArgument,
                "DataParallel::load_state: the state has no 'optim' blob");
-    const nlohmann::json json = nlohmann::json::parse(blob->second);
-    const std::string saved_optimizer = json.at("optimizer").get<std::string>();
+    std::string saved_optimizer;
+    int64_t saved_steps = 0;
+    try {
+      const nlohmann::json json = nlohmann::json::parse(blob->second);
+      saved_optimizer = json.at("optimizer").get<std::string>();
+      saved_steps = json.at("step").get<int64_t>();
+    } catch (const nlohmann::json::exception& e) {
+      throw CorruptData(detail::concat("DataParallel::load_state: the 'optim' blob is corrupt (",
+                                       e.what(), "): ", blob->second));
+    }
     LOOM_CHECK(!optimizer || saved_optimizer == optimizer->name(), InvalidArgument,
                "DataParallel::load_state: the state was saved with optimizer '", saved_optimizer,
                "' but this one is '", optimizer->name(), "'");
@@ -739,7 +747,7 @@ struct DataParallel::Impl {
             t.copy_(entry.tensor.reshape(t.sizes()));
           }
         });
-    steps = json.at("step").get<int64_t>();
+    steps = saved_steps;
     for (Bucket& bucket : buckets) {  // parameters are the rounded masters
       if (bucket.master.defined()) {
         bucket.data.narrow(0, bucket.shard_begin, bucket.shard_size()).copy_(bucket.master);

@@ -343,11 +343,18 @@ struct Trainer::Impl {
     if (!same_world) load.leave_out.push_back("rng/cpu");
     const int64_t loaded = source.checkpointer->load(newest.step, state, load);
     strategy.load_state(state);
-    const json trainer = json::parse(state.blobs.at("trainer"));
-    step = trainer.at("step").get<int64_t>();
-    if (options.loss_scaling.enabled && trainer.contains("loss_scale")) {
-      loss_scale = trainer.at("loss_scale").get<double>();
-      scale_good_steps = trainer.at("loss_scale_good_steps").get<int64_t>();
+    try {
+      const json trainer = json::parse(state.blobs.at("trainer"));
+      step = trainer.at("step").get<int64_t>();
+      if (options.loss_scaling.enabled && trainer.contains("loss_scale")) {
+        loss_scale = trainer.at("loss_scale").get<double>();
+        scale_good_steps = trainer.at("loss_scale_good_steps").get<int64_t>();
+      }
+    } catch (const json::exception& e) {
+      throw CorruptData(detail::concat("resuming from ", source.what, " step ", loaded, " (",
+                                       newest.path.string(), "): its 'trainer' blob is corrupt (",
+                                       e.what(), "): ", state.blobs.at("trainer"),
+                                       ". Remove that step to resume from an earlier one."));
     }
     reader.restore_json(state.blobs.at("reader"));
     if (same_world) {

@@ -44,6 +44,14 @@ void check_plain_file_name(std::string_view name, const std::string& what, const
              "not starting with '.'); the file was edited or is not what it claims to be");
 }
 
+void create_directories(const std::filesystem::path& dir, const std::string& what,
+                        const std::string& remedy) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  LOOM_CHECK(!error, IoError, "cannot create ", what, " ", dir.string(), ": ", error.message(),
+             "; ", remedy);
+}
+
 void fsync_dir(const std::filesystem::path& dir) {
   UniqueFd fd(
       LOOM_CHECK_SYS(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), "opening ", dir));

@@ -29,4 +29,9 @@ void check_plain_file_name(std::string_view name, const std::string& what, const
 // fsyncs a directory so that a rename or create inside it is durable.
 void fsync_dir(const std::filesystem::path& dir);
 
+// std::filesystem::create_directories, with a failure as IoError "cannot create <what> <dir>:
+// <the system's reason>; <remedy>" instead of std::filesystem::filesystem_error.
+void create_directories(const std::filesystem::path& dir, const std::string& what,
+                        const std::string& remedy);
+
 }  // namespace loom::util

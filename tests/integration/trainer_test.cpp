@@ -192,6 +192,30 @@ TEST_F(Trainer, ResumingAChangedModelNamesWhatTheCheckpointHasAndTheModelNot) {
   EXPECT_EQ(same.output.find("left out"), std::string::npos) << same.output;
 }
 
+// A checkpoint whose 'trainer' blob lacks its step, or holds one of the wrong type (a hand
+// edit, another program's checkpoint), stops the resume with CorruptData naming the step, its
+// directory and what is wrong, not with nlohmann's exception.
+TEST_F(Trainer, ACorruptTrainerBlobStopsTheResumeNamingTheStep) {
+  ASSERT_EQ(run("blob", 1, {"--train.steps=4"}).exit_code, 0);
+  const fs::path step_dir = dir_ / "blob" / "ckpt" / "step_00000004";
+  nlohmann::json manifest = nlohmann::json::parse(util::read_file(step_dir / "manifest.json"));
+  manifest["blobs"]["trainer"] = {{"step", "four"}};
+  util::write_file_atomic(step_dir / "manifest.json", manifest.dump(1));
+  std::string cause;  // nlohmann's words, which the message quotes
+  try {
+    (void)manifest["blobs"]["trainer"].at("step").get<int64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    cause = e.what();
+  }
+  const auto resumed = run("blob", 1, {"--train.steps=6"});
+  EXPECT_NE(resumed.exit_code, 0) << resumed.output;
+  const std::string expected = "resuming from checkpoint step 4 (" + step_dir.string() +
+                               "): its 'trainer' blob is corrupt (" + cause +
+                               "): {\"step\":\"four\"}. Remove that step to resume from an "
+                               "earlier one.";
+  EXPECT_NE(resumed.output.find(expected), std::string::npos) << expected << "\n" << resumed.output;
+}
+
 // train.init_from: the weights of a ZeRO-1 run at world size 2, exported to safetensors (the
 // flat pieces gathered) and imported back, start a new run whose losses equal, bit for bit,
 // those of a run started from the original checkpoint's weights, and differ from a fresh

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <fstream>
 
 #include "harness/harness.h"
 #include "util/files.h"
@@ -153,6 +154,29 @@ TEST(Runtime, CreatesRunDirWithResolvedConfigAndLog) {
   std::string log = util::read_file(rt.run_dir() / "logs" / "rank_0.log");
   EXPECT_NE(log.find("[rank 0/1]"), std::string::npos) << log;
   EXPECT_NE(log.find("a line for the file"), std::string::npos) << log;
+}
+
+// A run directory or log file that cannot be made is IoError naming it and what to do, not
+// std::filesystem's or spdlog's exception.
+TEST(Runtime, AnUncreatableRunDirOrLogFileIsAnIoErrorNamingIt) {
+  testing::TempDir dir;
+  const auto file = dir / "a-file";
+  std::ofstream(file) << "not a directory";
+  EXPECT_EQ(testing::error_of<IoError>([&] {
+              Runtime::init(config_in(dir, {"--run.dir=" + (file / "run").string()}), Topology{},
+                            /*configure_process=*/false);
+            }),
+            "cannot create the run directory " + (file / "run").string() +
+                ": Not a directory; set run.dir to a directory this process can create and write");
+  // The log file's place taken by a directory.
+  std::filesystem::create_directories(dir / "run" / "logs" / "rank_0.log");
+  const std::string message = testing::error_of<IoError>(
+      [&] { Runtime::init(config_in(dir, {"--log.level=info"}), Topology{}, false); });
+  const std::string log = (dir / "run" / "logs" / "rank_0.log").string();
+  EXPECT_EQ(message.rfind("cannot open the log file " + log + ": ", 0), 0u) << message;
+  const std::string remedy = "; make it writable or set log.to_file = false";
+  ASSERT_GT(message.size(), remedy.size()) << message;
+  EXPECT_EQ(message.substr(message.size() - remedy.size()), remedy) << message;
 }
 
 TEST(Runtime, SeedsTorchDeterministically) {
