@@ -315,6 +315,192 @@ ConfigValue from_toml(const ConfigKey& key, const toml::node& node, const Origin
 
 // ----- Files -----------------------------------------------------------------------------------
 
+// toml++ 3.3 (Debian 12's) misbehaves on some malformed input instead of reporting an error
+// (found by tests/fuzz/config.cpp; docs/testing.md): a code point such as U+00E9 where its
+// parser checks for whitespace reaches an unreachable branch (undefined behaviour), a table
+// header "[(a]" or an array "[ }" breaks assumptions of its key and value parsers. So the text
+// is checked and made ASCII before toml++ sees it:
+//   - characters outside strings and comments must be ASCII, and no control character but tab
+//     may appear outside newlines (both as TOML says);
+//   - a table header's name starts with a key character or a quote, and brackets inside a
+//     value close only what they opened;
+//   - non-ASCII characters in strings become \uXXXX escapes (a literal string holding one
+//     becomes the basic string of the same value), in comments '?'; invalid UTF-8 is an error.
+// Lines stay where they were, so toml++'s line numbers stay right (its columns may shift on a
+// line with such a string). Returns the ASCII text, or sets `problem` to "line:column: what".
+std::string ascii_toml(const std::string& text, std::string& problem) {
+  enum class In { kCode, kComment, kBasic, kLiteral, kMultiBasic, kMultiLiteral };
+  In in = In::kCode;
+  std::string out;
+  out.reserve(text.size());
+  int line = 1, column = 0;
+  std::string open;          // the [ and { open inside a value, innermost last
+  bool in_value = false;     // after '=' until the value's end
+  bool line_start = true;    // nothing but whitespace on this line yet (outside strings)
+  size_t literal_begin = 0;  // where the literal string being read starts in text
+  bool literal_non_ascii = false;
+  auto fail = [&](const char* what) {
+    problem = concat(line, ":", column, ": ", what);
+    return std::string();
+  };
+  // Decodes the UTF-8 sequence at text[i] (advancing i to its last byte); 0 when invalid.
+  auto code_point = [&](size_t& i) -> uint32_t {
+    const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+    const unsigned char b = byte(i);
+    const int extra = b >= 0xf0 && b <= 0xf4 ? 3 : b >= 0xe0 ? 2 : b >= 0xc2 && b < 0xe0 ? 1 : -1;
+    if (extra < 0 || i + extra >= text.size()) return 0;
+    uint32_t cp = b & (0x3f >> extra);
+    for (int k = 1; k <= extra; ++k) {
+      if ((byte(i + k) & 0xc0) != 0x80) return 0;
+      cp = (cp << 6) | (byte(i + k) & 0x3f);
+    }
+    const uint32_t least[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < least[extra] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+    i += static_cast<size_t>(extra);
+    return cp;
+  };
+  auto escape = [](uint32_t cp) {
+    char buffer[16];
+    std::snprintf(buffer, sizeof buffer, cp <= 0xffff ? "\\u%04X" : "\\U%08X", cp);
+    return std::string(buffer);
+  };
+  for (size_t i = 0; i < text.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    ++column;
+    if (c == '\n') {
+      if (in == In::kBasic || in == In::kLiteral)
+        return fail("a string ends at the end of its line");
+      if (in == In::kComment) in = In::kCode;
+      if (in == In::kCode && open.empty()) in_value = false;
+      if (in == In::kCode) line_start = true;
+      ++line;
+      column = 0;
+      if (in != In::kMultiLiteral) out += '\n';
+      continue;
+    }
+    if ((c < 0x20 && c != '\t' && !(c == '\r' && i + 1 < text.size() && text[i + 1] == '\n')) ||
+        c == 0x7f) {
+      return fail("a control character (TOML allows only tab and newlines)");
+    }
+    const bool triple = i + 2 < text.size() && text[i + 1] == text[i] && text[i + 2] == text[i];
+    if (c >= 0x80 && in != In::kCode) {
+      const size_t first = i;
+      const uint32_t cp = code_point(i);
+      if (cp == 0) return fail("invalid UTF-8");
+      if (in == In::kComment) out.append(i - first + 1, '?');
+      if (in == In::kBasic || in == In::kMultiBasic) out += escape(cp);
+      if (in == In::kLiteral || in == In::kMultiLiteral) literal_non_ascii = true;
+      continue;
+    }
+    switch (in) {
+      case In::kComment:
+        out += static_cast<char>(c);
+        break;
+      case In::kBasic:
+      case In::kMultiBasic:
+        out += static_cast<char>(c);
+        if (c == '\\') {
+          // The escaped character cannot end the string (a newline after it is a line break).
+          if (i + 1 < text.size() && static_cast<unsigned char>(text[i + 1]) >= 0x80)
+            return fail("an escape sequence of a non-ASCII character");
+          if (i + 1 < text.size() && text[i + 1] != '\n' && text[i + 1] != '\r') {
+            out += text[++i];
+            ++column;
+          }
+        } else if (c == '"' && in == In::kBasic) {
+          in = In::kCode;
+        } else if (c == '"' && triple) {
+          // Up to two more quotes belong to the string: """a"""""
+          out += "\"\"";
+          i += 2, column += 2;
+          while (i + 1 < text.size() && text[i + 1] == '"') out += text[++i], ++column;
+          in = In::kCode;
+        }
+        break;
+      case In::kLiteral:
+      case In::kMultiLiteral: {
+        const bool ends = c == '\'' && (in == In::kLiteral || triple);
+        if (!ends) break;
+        size_t end = i + (in == In::kLiteral ? 1 : 3);  // one past the closing quotes
+        if (in == In::kMultiLiteral) {
+          while (end < text.size() && text[end] == '\'') ++end;
+        }
+        column += static_cast<int>(end - 1 - i);
+        i = end - 1;
+        const std::string literal = text.substr(literal_begin, end - literal_begin);
+        if (!literal_non_ascii) {
+          out += literal;
+        } else {
+          // The basic string of the same value: quotes and backslashes escaped, non-ASCII as
+          // \u escapes, newlines kept.
+          const size_t quotes = in == In::kLiteral ? 1 : 3;
+          const std::string delimiter(quotes, '"');
+          out += delimiter;
+          for (size_t k = literal_begin + quotes; k < end - quotes; ++k) {
+            const unsigned char b = static_cast<unsigned char>(text[k]);
+            if (b == '"' || b == '\\') {
+              out += '\\';
+              out += static_cast<char>(b);
+            } else if (b >= 0x80) {
+              out += escape(code_point(k));  // checked valid when it was read
+            } else {
+              out += static_cast<char>(b);
+            }
+          }
+          out += delimiter;
+        }
+        in = In::kCode;
+        break;
+      }
+      case In::kCode:
+        if (c >= 0x80) return fail("a non-ASCII character outside a string or comment");
+        if (c == '"' || c == '\'') {
+          in = triple ? (c == '"' ? In::kMultiBasic : In::kMultiLiteral)
+                      : (c == '"' ? In::kBasic : In::kLiteral);
+          if (c == '\'') {
+            literal_begin = i;
+            literal_non_ascii = false;
+          } else {
+            out += triple ? "\"\"\"" : "\"";
+          }
+          if (triple) i += 2, column += 2;
+          line_start = false;
+          break;
+        }
+        out += static_cast<char>(c);
+        if (c == ' ' || c == '\t' || c == '\r') break;
+        if (c == '#') {
+          in = In::kComment;
+        } else if (c == '=') {
+          in_value = true;
+        } else if (c == '[' && line_start && !in_value) {
+          // A table header: [name] or [[name]]; the name starts with a key character or a quote.
+          size_t j = i + 1;
+          if (j < text.size() && text[j] == '[') ++j;
+          while (j < text.size() && (text[j] == ' ' || text[j] == '\t')) ++j;
+          const char k = j < text.size() ? text[j] : '\0';
+          if (!(std::isalnum(static_cast<unsigned char>(k)) || k == '_' || k == '-' || k == '"' ||
+                k == '\'')) {
+            column += static_cast<int>(j - i);
+            return fail(
+                "a table header's name must start with a letter, digit, '_', '-' or a quote");
+          }
+        } else if (in_value && (c == '[' || c == '{')) {
+          open.push_back(static_cast<char>(c));
+        } else if (in_value && (c == ']' || c == '}')) {
+          if (open.empty() || open.back() != (c == ']' ? '[' : '{'))
+            return fail(c == ']' ? "a ']' that closes no '['" : "a '}' that closes no '{'");
+          open.pop_back();
+        }
+        line_start = false;
+        break;
+    }
+  }
+  // An unterminated literal string: hand it over as it is, for toml++ to report.
+  if (in == In::kLiteral || in == In::kMultiLiteral) out += text.substr(literal_begin);
+  return out;
+}
+
 toml::table parse_toml_file(const std::filesystem::path& path) {
   std::error_code error;
   if (!std::filesystem::exists(path, error)) {
@@ -329,8 +515,11 @@ toml::table parse_toml_file(const std::filesystem::path& path) {
         concat("config file '", path.string(), "' cannot be read: ", std::strerror(errno)));
   }
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  std::string problem;
+  const std::string ascii = ascii_toml(text, problem);
+  if (!problem.empty()) throw ConfigError(concat(path.string(), ":", problem));
   try {
-    return toml::parse(text, path.string());
+    return toml::parse(ascii, path.string());
   } catch (const toml::parse_error& e) {
     const toml::source_position where = e.source().begin;
     throw ConfigError(

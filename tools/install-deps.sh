@@ -20,6 +20,7 @@ packages=(
   bible-kjv bible-kjv-text dataset-fashion-mnist
   python3-torch python3-numpy
   openssl  # the TLS tests make their certificates with it
+  clang libclang-rt-14-dev  # the fuzzers (tools/fuzz.sh): libFuzzer, ASan and UBSan runtimes
 )
 
 missing=()

@@ -2,6 +2,7 @@
 # Quick start, command two: installs what is missing (apt), builds Loom and runs every test.
 #   tools/run-tests.sh              all tests (unit, integration, slow)
 #   tools/run-tests.sh -LE slow     ctest arguments pass through (here: skip the slow ones)
+# With no arguments, every fuzzer then runs for $LOOM_FUZZ_SECONDS (30; 0 skips them).
 # Where nvcc exists (/usr/local/cuda) the CUDA configuration (LOOM_WITH_CUDA=ON) is built
 # too; its GPU tests run where a GPU is visible.
 set -euo pipefail
@@ -28,4 +29,11 @@ fi
 
 echo "run-tests: built in $(( $(date +%s) - start )) s; running ctest"
 ctest --test-dir build --output-on-failure --timeout 600 -j "$(nproc)" "$@"
+# The fuzzers, each for LOOM_FUZZ_SECONDS (30; 0 skips them), when every test ran (no ctest
+# arguments given).
+fuzz_seconds=${LOOM_FUZZ_SECONDS:-30}
+if [ $# -eq 0 ] && [ "$fuzz_seconds" -gt 0 ]; then
+  echo "run-tests: fuzzing every parser for $fuzz_seconds s (tools/fuzz.sh)"
+  tools/fuzz.sh all "$fuzz_seconds"
+fi
 echo "run-tests: passed in $(( $(date +%s) - start )) s"

@@ -260,7 +260,7 @@ Manifest parse_manifest_text(const std::string& text, const std::string& name) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     throw CorruptData(detail::concat(name, " is not valid JSON: ", e.what()));
   }
   Manifest m = parse_manifest(j, file);

@@ -92,7 +92,7 @@ Lineage parse_lineage(const json& j, const std::string& what) {
 json parse_json_file(const fs::path& file) {
   try {
     return json::parse(util::read_file(file));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     throw CorruptData(detail::concat(file.string(), " is not valid JSON: ", e.what()));
   }
 }
@@ -180,7 +180,7 @@ Lineage read_build_lineage(const std::string& location, const RemoteOptions& rem
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     throw CorruptData(detail::concat(name, " is not valid JSON: ", e.what()));
   }
   LOOM_CHECK(j.is_object() && j.value("format", "") == kLineageFormat, CorruptData, name,

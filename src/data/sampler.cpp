@@ -55,7 +55,7 @@ SamplerState SamplerState::from_json(const std::string& text) {
   json in;
   try {
     in = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     throw CorruptData(detail::concat("reader state is not valid JSON: ", e.what()));
   }
   LOOM_CHECK(in.is_object(), CorruptData, "reader state JSON must be an object, got ", in.dump());

@@ -145,6 +145,52 @@ TEST(Config, DottedKeysAndInlineTablesInFile) {
   EXPECT_EQ(config.get<std::string>("data.path"), "/x");
 }
 
+// Non-ASCII text in every kind of string and in comments reads back as written (Loom turns it
+// into escapes before toml++ sees it: tests/fuzz/config.cpp found toml++ 3.3 misbehaving on it).
+TEST(Config, NonAsciiStringsAndCommentsReadBackAsWritten) {
+  ScratchDir dir;
+  const Config config =
+      load_file(test_schema(), dir.write("run.toml",
+                                         "# caf\xc3\xa9 \xe2\x82\xac\n"
+                                         "[train]\n"
+                                         "optimizer = \"\xc3\xa9t\xc3\xa9 \\\" \xf0\x9f\x99\x82\"\n"
+                                         "[data]\n"
+                                         "path = 'C:\\d\xc3\xa9j\xc3\xa0 \"x\"' # \xc3\xa9\n"));
+  EXPECT_EQ(config.get<std::string>("train.optimizer"), "\xc3\xa9t\xc3\xa9 \" \xf0\x9f\x99\x82");
+  EXPECT_EQ(config.get<std::string>("data.path"), "C:\\d\xc3\xa9j\xc3\xa0 \"x\"");
+  const Config multi =
+      load_file(test_schema(), dir.write("multi.toml",
+                                         "data.path = '''\nl\xc3\xa9\n\\n'''\n"
+                                         "train.optimizer = \"\"\"\n\xc3\xa9\"\"\"\n"));
+  EXPECT_EQ(multi.get<std::string>("data.path"), "l\xc3\xa9\n\\n");
+  EXPECT_EQ(multi.get<std::string>("train.optimizer"), "\xc3\xa9");
+}
+
+// Text that TOML rules out and toml++ 3.3 would not refuse safely: ConfigError naming the file,
+// line and column.
+TEST(Config, MalformedTomlThatTomlPlusPlusMishandlesIsAConfigError) {
+  ScratchDir dir;
+  const std::pair<std::string, std::string> cases[] = {
+      {"seed = 1\n[(train]\n",
+       "2:2: a table header's name must start with a letter, digit, '_', '-' or a quote"},
+      {"seed = 1\n[[ \t(train]]\n",
+       "2:5: a table header's name must start with a letter, digit, '_', '-' or a quote"},
+      {"data = [\n[ }\n]\n", "2:3: a '}' that closes no '{'"},
+      {"seed = 1 ]\n", "1:10: a ']' that closes no '['"},
+      {"seed\xc3\xa9 = 1\n", "1:5: a non-ASCII character outside a string or comment"},
+      {"data.path = \"\xc3\x28\"\n", "1:14: invalid UTF-8"},
+      {"data.path = \"\\\xc3\xa9\"\n", "1:14: an escape sequence of a non-ASCII character"},
+      {"seed = 1\x01\n", "1:9: a control character (TOML allows only tab and newlines)"},
+      {"data.path = 'a\nb'\n", "1:15: a string ends at the end of its line"},
+  };
+  for (const auto& [text, where] : cases) {
+    SCOPED_TRACE(text);
+    const fs::path file = dir.write("bad.toml", text);
+    EXPECT_EQ(error_of<ConfigError>([&] { load_file(test_schema(), file); }),
+              file.string() + ":" + where);
+  }
+}
+
 TEST(Config, EnvironmentVariablesAreNamedAfterKeys) {
   ScopedEnv lr("LOOM_TRAIN_LR", "0.5");
   ScopedEnv verbose("LOOM_TRAIN_VERBOSE", "yes");

@@ -260,6 +260,19 @@ TEST(DatasetIntegrity, ChangedTokensFailTheShardHash) {
   EXPECT_NE(message.find("manifest says"), std::string::npos) << message;
 }
 
+// A number beyond double's range makes nlohmann throw out_of_range, not parse_error (found by
+// tests/fuzz/dataset_manifest.cpp): CorruptData naming the file, like any other bad JSON.
+TEST(DatasetIntegrity, AManifestNumberTooLargeIsCorruptData) {
+  TempDir dir;
+  const auto ds = dir.path() / "ds";
+  fs::create_directories(ds);
+  std::ofstream(ds / "manifest.json") << "{\"format_version\": 1e999}";
+  EXPECT_EQ(error_of<CorruptData>([&] { read_manifest(ds); }),
+            (ds / "manifest.json").string() +
+                " is not valid JSON: [json.exception.out_of_range.406] number overflow parsing "
+                "'1e999'");
+}
+
 TEST(DatasetIntegrity, EditedOrMissingManifest) {
   TempDir dir;
   const auto ds = dir.path() / "ds";

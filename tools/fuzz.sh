@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Loom's fuzzers: one libFuzzer target per parser of untrusted bytes (tests/fuzz/*.cpp), built
+# with clang under ASan and UBSan.
+#
+#   tools/fuzz.sh TARGET SECONDS   build, replay TARGET's regression inputs, then fuzz it
+#   tools/fuzz.sh all SECONDS      every target in turn (what CI runs, 30 s each)
+#   tools/fuzz.sh list             the targets
+#
+# Only the parser under test (and the target) is compiled here, instrumented; the rest of Loom
+# comes from the main build's libloom.so ($LOOM_BUILD_DIR, default build/: run tools/build.sh
+# first). Seeds are in tests/fuzz/corpus/TARGET (read only); what the fuzzer finds new goes to
+# build-fuzz/corpus/TARGET. A crash leaves its input in build-fuzz/crashes/ and fails the run:
+# fix the parser, then keep the input in tests/fuzz/regressions/TARGET, which every run replays.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# target -> the source file of the parser it exercises
+declare -A parser=(
+  [config]=src/config.cpp
+  [dataset_manifest]=src/data/manifest.cpp
+  [ckpt_manifest]=src/ckpt/manifest.cpp
+  [record]=src/data/shard_format.cpp
+  [flight_dump]=src/comm/flight_recorder.cpp
+)
+
+usage() {
+  echo "usage: tools/fuzz.sh TARGET|all SECONDS | tools/fuzz.sh list" >&2
+  echo "targets: ${!parser[*]}" >&2
+  exit 2
+}
+[[ $# -ge 1 ]] || usage
+if [[ $1 == list ]]; then
+  printf '%s\n' "${!parser[@]}" | sort
+  exit 0
+fi
+[[ $# -eq 2 && $2 =~ ^[0-9]+$ ]] || usage
+target=$1 seconds=$2
+if [[ $target == all ]]; then
+  for t in $(printf '%s\n' "${!parser[@]}" | sort); do "$0" "$t" "$seconds"; done
+  exit 0
+fi
+[[ -n ${parser[$target]:-} ]] || { echo "tools/fuzz.sh: no target '$target'" >&2; usage; }
+
+build=${LOOM_BUILD_DIR:-build}
+lib=$build/src/libloom.so
+[[ -f $lib ]] || { echo "tools/fuzz.sh: $lib is missing: run tools/build.sh first" >&2; exit 1; }
+command -v clang++ > /dev/null || { echo "tools/fuzz.sh: clang++ is missing: tools/install-deps.sh" >&2; exit 1; }
+
+out=build-fuzz
+mkdir -p "$out/obj" "$out/corpus/$target" "$out/crashes"
+sanitize="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
+# toml++ header-only, so that the TOML parser itself is instrumented too.
+flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -D_GLIBCXX_USE_CXX11_ABI=1 -DTOML_HEADER_ONLY=1
+  -DLOOM_VERSION=\"fuzz\" -Iinclude -Isrc -Itests/fuzz -isystem /usr/include/torch/csrc/api/include
+  -Wall -Wno-unused-parameter)
+binary=$out/fuzz_$target
+source=tests/fuzz/$target.cpp
+if [[ ! -x $binary || $binary -ot $source || $binary -ot ${parser[$target]} || $binary -ot $lib ||
+  $binary -ot tests/fuzz/fuzz.h ]]; then
+  echo "tools/fuzz.sh: building $binary"
+  # shellcheck disable=SC2086
+  clang++ "${flags[@]}" $sanitize -fsanitize=fuzzer-no-link -c "${parser[$target]}" \
+    -o "$out/obj/$target.parser.o"
+  # shellcheck disable=SC2086
+  clang++ "${flags[@]}" $sanitize -fsanitize=fuzzer "$source" "$out/obj/$target.parser.o" \
+    "$lib" -Wl,-rpath,"$(realpath "$build/src")" -lc10 -pthread -o "$binary"
+fi
+
+# The regression inputs first: each must pass.
+regressions=tests/fuzz/regressions/$target
+if compgen -G "$regressions/*" > /dev/null; then
+  echo "tools/fuzz.sh: $target: replaying $(find "$regressions" -type f | wc -l) regression input(s)"
+  "$binary" "$regressions"/* > "$out/$target.regressions.log" 2>&1 ||
+    { tail -40 "$out/$target.regressions.log"; echo "tools/fuzz.sh: $target: a regression input fails" >&2; exit 1; }
+fi
+echo "tools/fuzz.sh: $target: fuzzing for $seconds s"
+log=$out/$target.log
+if ! "$binary" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+  -artifact_prefix="$out/crashes/$target-" "$out/corpus/$target" "tests/fuzz/corpus/$target" \
+  > "$log" 2>&1; then
+  tail -60 "$log"
+  echo "tools/fuzz.sh: $target: the fuzzer found a failure; its input is in $out/crashes/" >&2
+  exit 1
+fi
+grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$log" | tr '\n' ' ' | sed "s/^/tools\/fuzz.sh: $target: /"
+echo "corpus $(find "$out/corpus/$target" -type f | wc -l) new + $(find "tests/fuzz/corpus/$target" -type f | wc -l) seeds"
