@@ -4,16 +4,34 @@
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <type_traits>
 
 #include "ckpt/storage.h"
 #include "loom/error.h"
 #include "util/files.h"
 #include "util/hash.h"
+#include "util/json.h"
 
 namespace loom::ckpt {
 namespace {
 
 using nlohmann::json;
+
+// `value` (field `key`) as a T, which it must be: an integer that fits (util::integer_of).
+template <typename T>
+T integer_value(const json& value, const char* key, const std::string& what) {
+  const std::optional<T> v = util::integer_of<T>(value);
+  LOOM_CHECK(v.has_value(), CorruptData, what, ": \"", key, "\" is ", value.dump(), ", not ",
+             std::is_unsigned_v<T> ? "a non-negative integer" : "an integer", " that fits ",
+             sizeof(T) * 8, " bits");
+  return *v;
+}
+
+template <typename T>
+T integer(const json& j, const char* key, const std::string& what) {
+  return integer_value<T>(j.at(key), key, what);
+}
 
 struct DtypeName {
   c10::ScalarType type;
@@ -52,12 +70,12 @@ Piece piece_from_json(const json& j, const std::string& what) {
   Piece p;
   p.file = j.at("file").get<std::string>();
   util::check_plain_file_name(p.file, what, "data file name");
-  p.begin = j.at("begin").get<int64_t>();
-  p.end = j.at("end").get<int64_t>();
-  p.offset = j.at("offset").get<uint64_t>();
-  p.bytes = j.at("bytes").get<uint64_t>();
+  p.begin = integer<int64_t>(j, "begin", what);
+  p.end = integer<int64_t>(j, "end", what);
+  p.offset = integer<uint64_t>(j, "offset", what);
+  p.bytes = integer<uint64_t>(j, "bytes", what);
   p.hash = util::parse_hash_hex(j.at("xxh64").get<std::string>(), what);
-  p.chunk_bytes = j.at("chunk_bytes").get<uint64_t>();
+  p.chunk_bytes = integer<uint64_t>(j, "chunk_bytes", what);
   for (const auto& h : j.at("chunk_xxh64"))
     p.chunk_hashes.push_back(util::parse_hash_hex(h.get<std::string>(), what));
   const uint64_t expected_chunks =
@@ -199,18 +217,22 @@ Manifest parse_manifest(const std::string& text, const std::string& what) {
     LOOM_CHECK(j.at("version") == kManifestVersion, CorruptData, what, " has manifest version ",
                j.at("version").dump(), "; this Loom reads version ", kManifestVersion);
     Manifest m;
-    m.step = j.at("step").get<int64_t>();
-    m.world_size = j.at("world_size").get<int>();
+    m.step = integer<int64_t>(j, "step", what);
+    m.world_size = integer<int>(j, "world_size", what);
     for (const auto& f : j.at("files")) {
-      m.files.push_back({f.at("name").get<std::string>(), f.at("rank").get<int>(),
-                         f.at("bytes").get<uint64_t>()});
+      m.files.push_back({f.at("name").get<std::string>(), integer<int>(f, "rank", what),
+                         integer<uint64_t>(f, "bytes", what)});
       util::check_plain_file_name(m.files.back().name, what, "data file name");
     }
     for (const auto& t : j.at("tensors")) {
       TensorRecord r;
       r.name = t.at("name").get<std::string>();
       r.dtype = t.at("dtype").get<std::string>();
-      r.shape = t.at("shape").get<std::vector<int64_t>>();
+      const json& shape = t.at("shape");
+      LOOM_CHECK(shape.is_array(), CorruptData, what, ": tensor ", r.name,
+                 ": \"shape\" is not an array");
+      for (size_t d = 0; d < shape.size(); ++d)
+        r.shape.push_back(integer_value<int64_t>(shape[d], "shape", what));
       r.kind = t.at("kind").get<std::string>();
       for (const auto& p : t.at("pieces"))
         r.pieces.push_back(piece_from_json(p, detail::concat(what, ", tensor ", r.name)));

@@ -8,10 +8,12 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 
 #include "loom/error.h"
 #include "util/files.h"
+#include "util/json.h"
 
 namespace loom::comm {
 namespace {
@@ -186,16 +188,28 @@ std::optional<int> rank_of_file_name(const std::string& name) {
   return std::stoi(digits);
 }
 
+// Field `key` (or an element of it) as a T: an integer that fits, else CorruptData.
+template <typename T>
+T integer(const json& value, const char* key) {
+  const std::optional<T> v = util::integer_of<T>(value);
+  LOOM_CHECK(v.has_value(), CorruptData, "\"", key, "\" is ", value.dump(), ", not ",
+             std::is_unsigned_v<T> ? "a non-negative integer" : "an integer", " that fits ",
+             sizeof(T) * 8, " bits");
+  return *v;
+}
+
 FlightEntry entry_from_json(const json& j) {
   FlightEntry entry;
-  entry.sequence = j.at("sequence").get<uint64_t>();
+  entry.sequence = integer<uint64_t>(j.at("sequence"), "sequence");
   entry.op = j.at("op").get<std::string>();
   entry.dtype = j.at("dtype").get<std::string>();
-  entry.numel = j.at("numel").get<int64_t>();
-  entry.peers = j.at("peers").get<std::vector<int>>();
-  entry.enqueue_us = j.at("enqueue_us").get<int64_t>();
-  entry.start_us = j.at("start_us").get<int64_t>();
-  entry.end_us = j.at("end_us").get<int64_t>();
+  entry.numel = integer<int64_t>(j.at("numel"), "numel");
+  const json& peers = j.at("peers");
+  LOOM_CHECK(peers.is_array(), CorruptData, "\"peers\" is not an array");
+  for (const json& peer : peers) entry.peers.push_back(integer<int>(peer, "peers"));
+  entry.enqueue_us = integer<int64_t>(j.at("enqueue_us"), "enqueue_us");
+  entry.start_us = integer<int64_t>(j.at("start_us"), "start_us");
+  entry.end_us = integer<int64_t>(j.at("end_us"), "end_us");
   std::string state = j.at("state").get<std::string>();
   std::optional<OpState> parsed = parse_state(state);
   LOOM_CHECK(parsed, CorruptData, "unknown state \"", state,
@@ -212,10 +226,10 @@ RankDump read_dump(const fs::path& file, int rank) {
   std::string where;  // the part being parsed, for the error message
   try {
     json j = json::parse(text);
-    int version = j.at("version").get<int>();
+    int version = integer<int>(j.at("version"), "version");
     LOOM_CHECK(version == kDumpVersion, CorruptData, "format version ", version,
                " is not supported (this build reads version ", kDumpVersion, ")");
-    int recorded_rank = j.at("rank").get<int>();
+    int recorded_rank = integer<int>(j.at("rank"), "rank");
     LOOM_CHECK(recorded_rank == rank, CorruptData, "the dump says rank ", recorded_rank,
                " but the file is named for rank ", rank);
     dump.group = j.at("group").get<std::string>();

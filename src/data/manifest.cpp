@@ -4,6 +4,7 @@
 
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <type_traits>
 
 #include "data/chunk_check.h"
@@ -11,6 +12,7 @@
 #include "loom/error.h"
 #include "util/files.h"
 #include "util/hash.h"
+#include "util/json.h"
 #include "util/mapped_file.h"
 
 namespace loom::data {
@@ -99,26 +101,30 @@ std::string manifest_hash(const Manifest& m) {
 
 // j[key] as T. nlohmann converts between number kinds silently (-5 read as uint64_t is
 // 2^64 - 5, 2^40 read as int is 0), so an integer must be one and fit T.
+// `value`, field `key` (or an element of it), as a T: integers must fit (util::integer_of).
+template <typename T>
+T get_value(const json& value, const char* key, const fs::path& file) {
+  try {
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      const std::optional<T> v = util::integer_of<T>(value);
+      LOOM_CHECK(v.has_value(), CorruptData, file.string(), ": field \"", key, "\" is ",
+                 value.dump(), ", not ",
+                 std::is_unsigned_v<T> ? "a non-negative integer" : "an integer");
+      return *v;
+    } else {
+      return value.get<T>();
+    }
+  } catch (const json::exception& e) {
+    throw CorruptData(
+        detail::concat(file.string(), ": field \"", key, "\" has the wrong type (", e.what(), ")"));
+  }
+}
+
 template <typename T>
 T get(const json& j, const char* key, const fs::path& file) {
-  try {
-    const json& value = j.at(key);
-    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-      using Limits = std::numeric_limits<T>;
-      bool fits = false;
-      if (value.is_number_unsigned()) {
-        fits = value.get<uint64_t>() <= static_cast<uint64_t>(Limits::max());
-      } else if (value.is_number_integer()) {  // negative
-        if constexpr (std::is_signed_v<T>) fits = value.get<int64_t>() >= Limits::min();
-      }
-      LOOM_CHECK(fits, CorruptData, file.string(), ": field \"", key, "\" is ", value.dump(),
-                 ", not ", std::is_unsigned_v<T> ? "a non-negative integer" : "an integer");
-    }
-    return value.get<T>();
-  } catch (const json::exception& e) {
-    throw CorruptData(detail::concat(file.string(), ": field \"", key,
-                                     "\" is missing or has the wrong type (", e.what(), ")"));
-  }
+  LOOM_CHECK(j.is_object() && j.contains(key), CorruptData, file.string(), ": field \"", key,
+             "\" is missing or has the wrong type");
+  return get_value<T>(j.at(key), key, file);
 }
 
 // The array j[key], CorruptData unless it is one.
@@ -211,7 +217,8 @@ Manifest parse_manifest(const json& j, const fs::path& file) {
       f.type = format::parse_field_type(get<std::string>(e, "type", file));
       if (f.type == FieldType::kTensor) {
         f.dtype = get<std::string>(e, "dtype", file);
-        f.shape = get<std::vector<int64_t>>(e, "shape", file);
+        for (const json& d : get_array(e, "shape", file))
+          f.shape.push_back(get_value<int64_t>(d, "shape", file));
       }
       if (e.contains("classes")) f.classes = get<std::vector<std::string>>(e, "classes", file);
       m.schema.push_back(std::move(f));
