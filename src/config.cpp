@@ -338,6 +338,7 @@ std::string ascii_toml(const std::string& text, std::string& problem) {
   bool in_value = false;     // after '=' until the value's end
   bool line_start = true;    // nothing but whitespace on this line yet (outside strings)
   size_t literal_begin = 0;  // where the literal string being read starts in text
+  int literal_line = 0, literal_column = 0;
   bool literal_non_ascii = false;
   auto fail = [&](const char* what) {
     problem = concat(line, ":", column, ": ", what);
@@ -459,6 +460,8 @@ std::string ascii_toml(const std::string& text, std::string& problem) {
                       : (c == '"' ? In::kBasic : In::kLiteral);
           if (c == '\'') {
             literal_begin = i;
+            literal_line = line;
+            literal_column = column;
             literal_non_ascii = false;
           } else {
             out += triple ? "\"\"\"" : "\"";
@@ -496,8 +499,13 @@ std::string ascii_toml(const std::string& text, std::string& problem) {
         break;
     }
   }
-  // An unterminated literal string: hand it over as it is, for toml++ to report.
-  if (in == In::kLiteral || in == In::kMultiLiteral) out += text.substr(literal_begin);
+  // An unterminated literal string is an error here: handed over, its bytes would reach toml++
+  // unescaped.
+  if (in == In::kLiteral || in == In::kMultiLiteral) {
+    line = literal_line;
+    column = literal_column;
+    return fail("a literal string that never ends");
+  }
   return out;
 }
 

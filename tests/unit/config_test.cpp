@@ -182,6 +182,7 @@ TEST(Config, MalformedTomlThatTomlPlusPlusMishandlesIsAConfigError) {
       {"data.path = \"\\\xc3\xa9\"\n", "1:14: an escape sequence of a non-ASCII character"},
       {"seed = 1\x01\n", "1:9: a control character (TOML allows only tab and newlines)"},
       {"data.path = 'a\nb'\n", "1:15: a string ends at the end of its line"},
+      {"seed = 1\ndata.path = \'\'\'x\n\xc3\xa9\n", "2:13: a literal string that never ends"},
   };
   for (const auto& [text, where] : cases) {
     SCOPED_TRACE(text);
