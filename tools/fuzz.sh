@@ -11,6 +11,8 @@
 # first). Seeds are in tests/fuzz/corpus/TARGET (read only); what the fuzzer finds new goes to
 # build-fuzz/corpus/TARGET. A crash leaves its input in build-fuzz/crashes/ and fails the run:
 # fix the parser, then keep the input in tests/fuzz/regressions/TARGET, which every run replays.
+# $LOOM_FUZZ_SEED fixes libFuzzer's seed (default: a random one); tools/run-tests.sh passes 1,
+# so that a failure in CI reproduces with the same command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -75,7 +77,8 @@ if compgen -G "$regressions/*" > /dev/null; then
 fi
 echo "tools/fuzz.sh: $target: fuzzing for $seconds s"
 log=$out/$target.log
-if ! "$binary" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+if ! "$binary" -seed="${LOOM_FUZZ_SEED:-0}" -max_total_time="$seconds" -timeout=10 \
+  -rss_limit_mb=2048 -print_final_stats=1 \
   -artifact_prefix="$out/crashes/$target-" "$out/corpus/$target" "tests/fuzz/corpus/$target" \
   > "$log" 2>&1; then
   tail -60 "$log"

@@ -30,10 +30,11 @@ fi
 echo "run-tests: built in $(( $(date +%s) - start )) s; running ctest"
 ctest --test-dir build --output-on-failure --timeout 600 -j "$(nproc)" "$@"
 # The fuzzers, each for LOOM_FUZZ_SECONDS (30; 0 skips them), when every test ran (no ctest
-# arguments given).
+# arguments given), with a fixed seed (LOOM_FUZZ_SEED, 1) so that a failure reproduces; fuzz
+# longer with random seeds by hand (tools/fuzz.sh TARGET SECONDS).
 fuzz_seconds=${LOOM_FUZZ_SECONDS:-30}
 if [ $# -eq 0 ] && [ "$fuzz_seconds" -gt 0 ]; then
   echo "run-tests: fuzzing every parser for $fuzz_seconds s (tools/fuzz.sh)"
-  tools/fuzz.sh all "$fuzz_seconds"
+  LOOM_FUZZ_SEED=${LOOM_FUZZ_SEED:-1} tools/fuzz.sh all "$fuzz_seconds"
 fi
 echo "run-tests: passed in $(( $(date +%s) - start )) s"
