@@ -76,14 +76,19 @@ if compgen -G "$regressions/*" > /dev/null; then
     { tail -40 "$out/$target.regressions.log"; echo "tools/fuzz.sh: $target: a regression input fails" >&2; exit 1; }
 fi
 echo "tools/fuzz.sh: $target: fuzzing for $seconds s"
+# New inputs go to the first directory; the seeds (when the target has any) are only read.
+corpora=("$out/corpus/$target")
+seeds=tests/fuzz/corpus/$target
+[[ -d $seeds ]] && corpora+=("$seeds")
 log=$out/$target.log
 if ! "$binary" -seed="${LOOM_FUZZ_SEED:-0}" -max_total_time="$seconds" -timeout=10 \
   -rss_limit_mb=2048 -print_final_stats=1 \
-  -artifact_prefix="$out/crashes/$target-" "$out/corpus/$target" "tests/fuzz/corpus/$target" \
-  > "$log" 2>&1; then
+  -artifact_prefix="$out/crashes/$target-" "${corpora[@]}" > "$log" 2>&1; then
   tail -60 "$log"
   echo "tools/fuzz.sh: $target: the fuzzer found a failure; its input is in $out/crashes/" >&2
   exit 1
 fi
 grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$log" | tr '\n' ' ' | sed "s/^/tools\/fuzz.sh: $target: /"
-echo "corpus $(find "$out/corpus/$target" -type f | wc -l) new + $(find "tests/fuzz/corpus/$target" -type f | wc -l) seeds"
+seed_count=0
+[[ -d $seeds ]] && seed_count=$(find "$seeds" -type f | wc -l)
+echo "corpus $(find "$out/corpus/$target" -type f | wc -l) new + $seed_count seeds"
