@@ -4,8 +4,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
-#include <optional>
-#include <type_traits>
 
 #include "ckpt/storage.h"
 #include "loom/error.h"
@@ -18,19 +16,9 @@ namespace {
 
 using nlohmann::json;
 
-// `value` (field `key`) as a T, which it must be: an integer that fits (util::integer_of).
-template <typename T>
-T integer_value(const json& value, const char* key, const std::string& what) {
-  const std::optional<T> v = util::integer_of<T>(value);
-  LOOM_CHECK(v.has_value(), CorruptData, what, ": \"", key, "\" is ", value.dump(), ", not ",
-             std::is_unsigned_v<T> ? "a non-negative integer" : "an integer", " that fits ",
-             sizeof(T) * 8, " bits");
-  return *v;
-}
-
 template <typename T>
 T integer(const json& j, const char* key, const std::string& what) {
-  return integer_value<T>(j.at(key), key, what);
+  return util::integer_field<T>(j.at(key), key, what);
 }
 
 struct DtypeName {
@@ -232,7 +220,7 @@ Manifest parse_manifest(const std::string& text, const std::string& what) {
       LOOM_CHECK(shape.is_array(), CorruptData, what, ": tensor ", r.name,
                  ": \"shape\" is not an array");
       for (size_t d = 0; d < shape.size(); ++d)
-        r.shape.push_back(integer_value<int64_t>(shape[d], "shape", what));
+        r.shape.push_back(util::integer_field<int64_t>(shape[d], "shape", what));
       r.kind = t.at("kind").get<std::string>();
       for (const auto& p : t.at("pieces"))
         r.pieces.push_back(piece_from_json(p, detail::concat(what, ", tensor ", r.name)));

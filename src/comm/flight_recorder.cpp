@@ -8,7 +8,6 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <system_error>
-#include <type_traits>
 #include <utility>
 
 #include "loom/error.h"
@@ -188,14 +187,9 @@ std::optional<int> rank_of_file_name(const std::string& name) {
   return std::stoi(digits);
 }
 
-// Field `key` (or an element of it) as a T: an integer that fits, else CorruptData.
 template <typename T>
 T integer(const json& value, const char* key) {
-  const std::optional<T> v = util::integer_of<T>(value);
-  LOOM_CHECK(v.has_value(), CorruptData, "\"", key, "\" is ", value.dump(), ", not ",
-             std::is_unsigned_v<T> ? "a non-negative integer" : "an integer", " that fits ",
-             sizeof(T) * 8, " bits");
-  return *v;
+  return util::integer_field<T>(value, key, "");
 }
 
 FlightEntry entry_from_json(const json& j) {

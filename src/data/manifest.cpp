@@ -4,7 +4,6 @@
 
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <type_traits>
 
 #include "data/chunk_check.h"
@@ -99,18 +98,14 @@ std::string manifest_hash(const Manifest& m) {
   return util::hash_hex(util::xxh64(manifest_json(m).dump()));
 }
 
-// j[key] as T. nlohmann converts between number kinds silently (-5 read as uint64_t is
-// 2^64 - 5, 2^40 read as int is 0), so an integer must be one and fit T.
-// `value`, field `key` (or an element of it), as a T: integers must fit (util::integer_of).
+// `value`, field `key` (or an element of it), as a T. nlohmann converts between number kinds
+// silently (-5 read as uint64_t is 2^64 - 5, 2^40 read as int is 0, 1e300 as int64_t is
+// undefined), so an integer must be one and fit T (util::integer_field).
 template <typename T>
 T get_value(const json& value, const char* key, const fs::path& file) {
   try {
     if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-      const std::optional<T> v = util::integer_of<T>(value);
-      LOOM_CHECK(v.has_value(), CorruptData, file.string(), ": field \"", key, "\" is ",
-                 value.dump(), ", not ",
-                 std::is_unsigned_v<T> ? "a non-negative integer" : "an integer");
-      return *v;
+      return util::integer_field<T>(value, key, file.string());
     } else {
       return value.get<T>();
     }
