@@ -3,7 +3,8 @@
 # Passes when the benchmark exits 0, every line it prints that starts with "{" is a JSON row
 # with bench, case, baseline_name and unit (strings) and loom, baseline and ratio (numbers, or
 # null for a row whose baseline could not run), and the row EXPECT_CASE is among them with
-# numbers. Asserts the output's shape, never a speed.
+# numbers (and, when -DEXPECT_BASELINE_NAME= or -DEXPECT_UNIT= are given, that baseline and
+# unit). Asserts the output's shape, never a speed.
 cmake_minimum_required(VERSION 3.19)  # string(JSON)
 
 # The command is everything after the script's path.
@@ -53,6 +54,16 @@ foreach(line IN LISTS lines)
   endforeach()
   if(case STREQUAL EXPECT_CASE)
     set(found TRUE)
+    # Optional: the expected row's baseline and unit, exactly.
+    foreach(key baseline_name unit)
+      string(TOUPPER "EXPECT_${key}" expect)
+      if(DEFINED ${expect})
+        string(JSON value GET "${line}" ${key})
+        if(NOT value STREQUAL ${expect})
+          message(FATAL_ERROR "the expected row's \"${key}\" is \"${value}\", not \"${${expect}}\":\n${line}")
+        endif()
+      endif()
+    endforeach()
   endif()
 endforeach()
 if(NOT found)
