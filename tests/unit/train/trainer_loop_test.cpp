@@ -62,8 +62,7 @@ struct TinyLm : torch::nn::Module {
 // Next-token cross entropy of a [B, T + 1] token batch.
 at::Tensor loss_of(TinyLm& model, const at::Tensor& tokens) {
   const at::Tensor logits = model.forward(tokens.slice(1, 0, -1));
-  return torch::cross_entropy_loss(logits.reshape({-1, kVocab}),
-                                   tokens.slice(1, 1).reshape({-1}));
+  return torch::cross_entropy_loss(logits.reshape({-1, kVocab}), tokens.slice(1, 1).reshape({-1}));
 }
 
 // The same initial weights everywhere: seeded construction.
@@ -109,13 +108,13 @@ class TrainerLoop : public ::testing::Test {
     torch::optim::AdamW opt(params, torch::optim::AdamWOptions(kPeak));
     std::vector<std::unique_ptr<data::Reader>> readers;
     for (int r = 0; r < kWorld; ++r) {
-      readers.push_back(std::make_unique<data::Reader>(
-          dir_ / "data", data::ReaderOptions{.batch_size = kBatch,
-                                             .seq_len = kSeq,
-                                             .seed = 9,
-                                             .rank = r,
-                                             .world_size = kWorld,
-                                             .prefetch = 0}));
+      readers.push_back(
+          std::make_unique<data::Reader>(dir_ / "data", data::ReaderOptions{.batch_size = kBatch,
+                                                                            .seq_len = kSeq,
+                                                                            .seed = 9,
+                                                                            .rank = r,
+                                                                            .world_size = kWorld,
+                                                                            .prefetch = 0}));
     }
     Trace trace;
     for (int64_t step = 0; step < kSteps; ++step) {
@@ -160,10 +159,10 @@ class TrainerLoop : public ::testing::Test {
     testing::expect_all_ok(testing::run_threads(kWorld, [&](testing::Rank& r) {
       ConfigSchema keys = Runtime::schema();
       keys.merge(TrainOptions::schema());
-      const Config config = Config::load(
-          keys, {.read_env = false,
-                 .overrides = {"run.dir=" + (dir_ / "run").string(), "run.device=cpu",
-                               "log.level=warn", "log.to_file=false"}});
+      const Config config =
+          Config::load(keys, {.read_env = false,
+                              .overrides = {"run.dir=" + (dir_ / "run").string(), "run.device=cpu",
+                                            "log.level=warn", "log.to_file=false"}});
       Runtime rt = Runtime::init(config, Topology{r.rank, r.world, r.rank, r.world},
                                  /*configure_process=*/false, {.store = &r.store});
       std::shared_ptr<TinyLm> model;
@@ -172,10 +171,10 @@ class TrainerLoop : public ::testing::Test {
         std::lock_guard<std::mutex> lock(init_mutex);
         model = make_model();
       }
-      parallel::DataParallel dp(model, rt.world_group(), rt.control_group(),
-                                {.bucket_bytes = 512});
+      parallel::DataParallel dp(model, rt.world_group(), rt.control_group(), {.bucket_bytes = 512});
       dp.set_optimizer(std::make_unique<optim::AdamW>(optim::AdamWOptions{.lr = kPeak}));
-      auto reader = rt.open_dataset(dir_ / "data", {.batch_size = kBatch, .seq_len = kSeq, .seed = 9});
+      auto reader =
+          rt.open_dataset(dir_ / "data", {.batch_size = kBatch, .seq_len = kSeq, .seed = 9});
       TrainOptions options;
       options.steps = kSteps;
       options.micro_batches = kMicro;
