@@ -332,7 +332,7 @@ class Source {
         const uint64_t d = indices[r] - doc_begins_[s];
         const OpenShard& open = held[s];
         if (open.checker) open.checker->check(open.tokens->index_offset() + 8 * d, 16);
-        const uint64_t begin = open.tokens->doc_offset(d), end = open.tokens->doc_offset(d + 1);
+        const auto [begin, end] = open.tokens->document(d);
         const int64_t n = std::min<int64_t>(width, static_cast<int64_t>(end - begin));
         copy_tokens(begins_[s] + begin, static_cast<size_t>(n), held, out + r * width);
         std::fill(out + r * width + n, out + (r + 1) * width, options_.pad_id);

@@ -211,6 +211,15 @@ uint64_t TokenShard::doc_offset(uint64_t d) const {
   return load_u64(file_.data() + header().index_offset + 8 * d);
 }
 
+std::pair<uint64_t, uint64_t> TokenShard::document(uint64_t d) const {
+  const uint64_t begin = doc_offset(d), end = doc_offset(d + 1);
+  LOOM_CHECK(begin <= end && end <= num_tokens(), CorruptData, "document ", d, " of shard ",
+             file_.path().string(), " spans tokens [", begin, ", ", end, ") of ", num_tokens(),
+             ": its document index is corrupt; run `loom data verify` and restore or rebuild "
+             "the dataset");
+  return {begin, end};
+}
+
 RecordShard::RecordShard(const std::filesystem::path& dir, const ShardInfo& info)
     : file_(open_checked(dir, info)) {
   const auto* h = reinterpret_cast<const RecordHeader*>(file_.data());

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/data/dataset.h"
@@ -103,14 +104,18 @@ class TokenShard {
   uint64_t num_documents() const { return header().num_documents; }
   uint32_t token_bytes() const { return header().token_bytes; }
   const uint8_t* tokens() const { return file_.data() + sizeof(TokenHeader); }
-  // Token offsets in the shard: document d spans [doc_offset(d), doc_offset(d + 1)).
-  uint64_t doc_offset(uint64_t d) const;
+  // Document d (< num_documents()) as the token range [first, second) of the shard. Only the
+  // index's first and last entries are checked at open; an entry read here that goes backwards
+  // or past the tokens is CorruptData naming the shard and the document.
+  std::pair<uint64_t, uint64_t> document(uint64_t d) const;
   // Byte offset of the document index in the file.
   uint64_t index_offset() const { return header().index_offset; }
   const util::MappedFile& file() const { return file_; }
 
  private:
   const TokenHeader& header() const { return *reinterpret_cast<const TokenHeader*>(file_.data()); }
+  // Entry d of the document index (d <= num_documents()), unchecked.
+  uint64_t doc_offset(uint64_t d) const;
   util::MappedFile file_;
 };
 

@@ -233,6 +233,30 @@ TEST(DatasetIntegrity, TruncatedTokenShardFailsAtOpen) {
   }
 }
 
+// Only the document index's first and last entries are checked at open; one in between that
+// goes backwards is found when a sample reads it (here with chunk hashing off, which would
+// otherwise report the changed bytes first), and nothing outside the shard is read.
+TEST(DatasetIntegrity, ABackwardsDocumentIndexEntryIsCorruptDataNamingTheDocument) {
+  TempDir dir;
+  const auto ds = dir.path() / "ds";
+  write_counting_tokens(ds, {3, 3, 3});  // one shard: 9 two-byte tokens, index 0 3 6 9
+  const auto shard = ds / "tokens_00000.bin";
+  const uint64_t index_offset = fs::file_size(shard) - 4 * 8;  // the index ends the file
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    const uint64_t entry = 7;  // document 1 = [7, 6)
+    f.seekp(static_cast<std::streamoff>(index_offset + 8));
+    f.write(reinterpret_cast<const char*>(&entry), 8);
+  }
+  Reader reader(ds, {.seq_len = 4, .sampling = TokenSampling::kDocument, .verify_chunks = false});
+  EXPECT_EQ(reader.read({0})["tokens"].sizes(), (std::vector<int64_t>{1, 5}));
+  EXPECT_EQ(error_of<CorruptData>([&] { reader.read({1}); }),
+            "document 1 of shard " + shard.string() +
+                " spans tokens [7, 6) of 9: its document index is corrupt; run `loom data "
+                "verify` and restore or rebuild the dataset");
+  EXPECT_FALSE(verify_dataset(ds).ok);
+}
+
 TEST(DatasetIntegrity, MissingShardIsAnIoError) {
   TempDir dir;
   const auto ds = dir.path() / "ds";
