@@ -7,6 +7,7 @@
 
 #include "ckpt/storage.h"
 #include "loom/error.h"
+#include "util/dtype.h"
 #include "util/files.h"
 #include "util/hash.h"
 #include "util/json.h"
@@ -20,26 +21,6 @@ template <typename T>
 T integer(const json& j, const char* key, const std::string& what) {
   return util::integer_field<T>(j.at(key), key, what);
 }
-
-struct DtypeName {
-  c10::ScalarType type;
-  const char* name;
-};
-
-constexpr DtypeName kDtypes[] = {
-    {c10::ScalarType::Float, "float32"},
-    {c10::ScalarType::Double, "float64"},
-    {c10::ScalarType::Half, "float16"},
-    {c10::ScalarType::BFloat16, "bfloat16"},
-    {c10::ScalarType::Long, "int64"},
-    {c10::ScalarType::Int, "int32"},
-    {c10::ScalarType::Short, "int16"},
-    {c10::ScalarType::Char, "int8"},
-    {c10::ScalarType::Byte, "uint8"},
-    {c10::ScalarType::Bool, "bool"},
-    {c10::ScalarType::ComplexFloat, "complex64"},
-    {c10::ScalarType::ComplexDouble, "complex128"},
-};
 
 json piece_to_json(const Piece& p) {
   json chunks = json::array();
@@ -133,16 +114,17 @@ std::string data_file_name(int rank) {
 }
 
 std::string dtype_name(c10::ScalarType type) {
-  for (const auto& d : kDtypes)
-    if (d.type == type) return d.name;
-  throw InvalidArgument(
-      detail::concat("checkpoints cannot hold tensors of dtype ", c10::toString(type)));
+  LOOM_CHECK(util::is_named_dtype(type), InvalidArgument,
+             "checkpoints cannot hold tensors of dtype ", util::dtype_name(type), "; they hold ",
+             util::dtype_names());
+  return util::dtype_name(type);
 }
 
 c10::ScalarType parse_dtype(const std::string& name) {
-  for (const auto& d : kDtypes)
-    if (name == d.name) return d.type;
-  throw CorruptData(detail::concat("unknown dtype \"", name, "\" in a checkpoint manifest"));
+  const std::optional<c10::ScalarType> type = util::dtype_of(name);
+  LOOM_CHECK(type.has_value(), CorruptData, "unknown dtype \"", name,
+             "\" in a checkpoint manifest");
+  return *type;
 }
 
 uint64_t piece_hash(const std::vector<uint64_t>& chunk_hashes) {

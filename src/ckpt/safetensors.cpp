@@ -10,6 +10,8 @@
 #include <set>
 
 #include "loom/error.h"
+#include "util/dtype.h"
+#include "util/files.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "safetensors stores little-endian bytes; this code copies them as they are");
@@ -38,7 +40,7 @@ const char* code_of(c10::ScalarType type, const std::string& name) {
   for (const auto& d : kDtypes)
     if (d.type == type) return d.code;
   throw InvalidArgument(detail::concat("safetensors cannot hold tensor \"", name, "\" of dtype ",
-                                       c10::toString(type),
+                                       util::dtype_name(type),
                                        "; it names F32, F64, F16, BF16, I64, I32, I16, I8, U8, "
                                        "BOOL"));
 }
@@ -114,23 +116,16 @@ void write_safetensors(const fs::path& path, const std::vector<NamedTensor>& ten
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
-  const fs::path temp = path.string() + ".tmp";
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    LOOM_CHECK(out.good(), IoError, "cannot create ", temp.string());
+  util::write_file_atomic(path, [&](int fd, const fs::path& temp) {
     char length[8];
     for (int i = 0; i < 8; ++i) length[i] = static_cast<char>(uint64_t{text.size()} >> (8 * i));
-    out.write(length, 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    util::write_all(fd, length, 8, temp);
+    util::write_all(fd, text.data(), text.size(), temp);
     for (const NamedTensor& t : tensors) {
       const at::Tensor c = t.tensor.contiguous().cpu();
-      out.write(static_cast<const char*>(c.data_ptr()),
-                static_cast<std::streamsize>(c.numel() * c.element_size()));
+      util::write_all(fd, c.data_ptr(), c.numel() * c.element_size(), temp);
     }
-    out.flush();
-    LOOM_CHECK(out.good(), IoError, "writing ", temp.string(), " failed (disk full?)");
-  }
-  fs::rename(temp, path);
+  });
 }
 
 std::vector<NamedTensor> read_safetensors(const fs::path& path,

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "loom/error.h"
+#include "util/dtype.h"
 #include "util/files.h"
 
 namespace loom::ckpt {
@@ -306,7 +307,7 @@ class Unpickler {
     const size_t es = c10::elementSize(type);
     if (numel < 0 || static_cast<uint64_t>(numel) > size / es)
       throw bad(detail::concat("record ", record, " holds ", size, " bytes, fewer than its ", numel,
-                               " elements of ", c10::toString(type)));
+                               " elements of ", util::dtype_name(type)));
     Ref s = make(Value::Kind::kStorage);
     s->tensor = at::empty({numel}, at::TensorOptions().dtype(type));
     if (numel > 0) std::memcpy(s->tensor.data_ptr(), data.get(), numel * es);

@@ -17,6 +17,7 @@
 #include "loom/comm/store.h"
 #include "loom/error.h"
 #include "util/fd.h"
+#include "util/files.h"
 
 namespace loom::comm {
 namespace {
@@ -80,27 +81,6 @@ std::optional<std::string> read_file(const std::filesystem::path& path) {
   }
 }
 
-// Writes value to a temporary file beside path and renames it into place, so a reader sees the
-// old value or the new one, never a part. Durability across a host crash is not needed for
-// rendezvous, so there is no fsync.
-void write_file_atomically(const std::filesystem::path& path, const std::string& value) {
-  std::string temp = (path.parent_path() / ".tmp-XXXXXX").string();
-  util::UniqueFd fd(LOOM_CHECK_SYS(::mkostemp(temp.data(), O_CLOEXEC),
-                                   "creating a temporary file in ", path.parent_path().string()));
-  try {
-    size_t written = 0;
-    while (written < value.size()) {
-      const ssize_t n = ::write(fd.get(), value.data() + written, value.size() - written);
-      if (n == -1 && errno == EINTR) continue;
-      written += static_cast<size_t>(LOOM_CHECK_SYS(n, "writing ", temp));
-    }
-    LOOM_CHECK_SYS(::rename(temp.c_str(), path.c_str()), "renaming ", temp, " to ", path.string());
-  } catch (...) {
-    ::unlink(temp.c_str());
-    throw;
-  }
-}
-
 // Calls ready() with a backoff of 1 ms doubling to 20 ms until it returns true (then true) or
 // the deadline passes (then false, after one last call at the deadline).
 template <typename Ready>
@@ -134,7 +114,9 @@ std::filesystem::path FileStore::path_of(const std::string& key) const {
 void FileStore::set(const std::string& key, const std::string& value) {
   const std::filesystem::path path = path_of(key);
   DirLock lock(dir_);
-  write_file_atomically(path, value);
+  // Readers see the old value or the new one; rendezvous needs no durability across a host
+  // crash, so no fsync.
+  util::write_file_atomic(path, value, util::Durability::kAtomicOnly);
 }
 
 std::string FileStore::get(const std::string& key, std::chrono::milliseconds timeout) {
@@ -159,7 +141,7 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   int64_t result = 0;
   LOOM_CHECK(!__builtin_add_overflow(current, delta, &result), InvalidArgument,
              "FileStore::add: key '", key, "' would overflow (", current, " + ", delta, ")");
-  write_file_atomically(path, std::to_string(result));
+  util::write_file_atomic(path, std::to_string(result), util::Durability::kAtomicOnly);
   return result;
 }
 
@@ -170,7 +152,7 @@ std::string FileStore::compare_set(const std::string& key, const std::string& ex
   const std::optional<std::string> value = read_file(path);
   const bool matches = value ? *value == expected : expected.empty();
   if (!matches) return value.value_or(std::string());
-  write_file_atomically(path, desired);
+  util::write_file_atomic(path, desired, util::Durability::kAtomicOnly);
   return desired;
 }
 

@@ -34,6 +34,7 @@
 #include "comm/work.h"
 #include "loom/comm/flight_recorder.h"
 #include "loom/error.h"
+#include "util/dtype.h"
 #include "util/mix.h"
 
 namespace loom::comm {
@@ -159,8 +160,8 @@ void allreduce_gloo(const std::shared_ptr<gloo::Context>& context, const at::Ten
       allreduce_typed<uint8_t>(context, tensor, op, tag, timeout);
       break;
     default:
-      throw InvalidArgument(detail::concat("all_reduce: unsupported dtype ",
-                                           internal::dtype_name(tensor.scalar_type())));
+      throw InvalidArgument(
+          detail::concat("all_reduce: unsupported dtype ", util::dtype_name(tensor.scalar_type())));
   }
 }
 
@@ -332,7 +333,7 @@ void reduce_scatter_tensor(const std::shared_ptr<gloo::Context>& context, ShmCol
       break;
     default:
       throw InvalidArgument(detail::concat("reduce_scatter: unsupported dtype ",
-                                           internal::dtype_name(input.scalar_type())));
+                                           util::dtype_name(input.scalar_type())));
   }
   if (op == ReduceOp::kAvg) output.div_(context->size);
 }
@@ -517,7 +518,7 @@ class GlooGroup final : public Group {
                   milliseconds timeout, Op body);
   WorkPtr enqueue(const char* op, const at::Tensor& tensor, std::vector<int> peers,
                   milliseconds timeout, Op body) {
-    return enqueue(op, internal::dtype_name(tensor.scalar_type()), tensor.numel(), std::move(peers),
+    return enqueue(op, util::dtype_name(tensor.scalar_type()), tensor.numel(), std::move(peers),
                    timeout, std::move(body));
   }
   void worker_loop();
@@ -781,7 +782,7 @@ WorkPtr GlooGroup::all_reduce_coalesced(std::vector<at::Tensor>& tensors,
     }
   };
   // The flight recorder describes the flat buffer.
-  return enqueue("all_reduce_coalesced", internal::dtype_name(tensors[0].scalar_type()), total, {},
+  return enqueue("all_reduce_coalesced", util::dtype_name(tensors[0].scalar_type()), total, {},
                  options.timeout, std::move(body));
 }
 

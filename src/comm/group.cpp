@@ -10,6 +10,7 @@
 
 #include "comm/group_internal.h"
 #include "loom/error.h"
+#include "util/dtype.h"
 
 namespace loom::comm {
 
@@ -64,27 +65,6 @@ bool is_supported(at::ScalarType dtype) {
 
 }  // namespace
 
-std::string dtype_name(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat:
-      return "float32";
-    case at::kDouble:
-      return "float64";
-    case at::kBFloat16:
-      return "bfloat16";
-    case at::kHalf:
-      return "float16";
-    case at::kInt:
-      return "int32";
-    case at::kLong:
-      return "int64";
-    case at::kByte:
-      return "uint8";
-    default:
-      return c10::toString(dtype);
-  }
-}
-
 std::string shape_string(const at::Tensor& tensor) {
   std::string out = "[";
   for (size_t i = 0; i < static_cast<size_t>(tensor.dim()); ++i) {
@@ -110,23 +90,24 @@ void check_tensor(const char* op, const char* what, const at::Tensor& tensor,
              ", contiguous tensor of ", kSupportedDtypes);
   const bool ok = tensor.device() == device && tensor.is_contiguous() && !tensor.is_sparse() &&
                   is_supported(tensor.scalar_type());
-  LOOM_CHECK(ok, InvalidArgument, op, ": ", what, " has dtype ", dtype_name(tensor.scalar_type()),
-             ", shape ", shape_string(tensor), ", device ", tensor.device().str(),
-             tensor.is_contiguous() ? "" : ", non-contiguous", "; expected a defined, ",
-             device_word(device), ", contiguous tensor of ", kSupportedDtypes);
+  LOOM_CHECK(ok, InvalidArgument, op, ": ", what, " has dtype ",
+             util::dtype_name(tensor.scalar_type()), ", shape ", shape_string(tensor), ", device ",
+             tensor.device().str(), tensor.is_contiguous() ? "" : ", non-contiguous",
+             "; expected a defined, ", device_word(device), ", contiguous tensor of ",
+             kSupportedDtypes);
 }
 
 void check_same_dtype(const char* op, const char* what, const at::Tensor& tensor,
                       const char* reference_what, const at::Tensor& reference) {
   LOOM_CHECK(tensor.scalar_type() == reference.scalar_type(), InvalidArgument, op, ": ", what,
-             " has dtype ", dtype_name(tensor.scalar_type()), " (shape ", shape_string(tensor),
-             ") but ", reference_what, " has dtype ", dtype_name(reference.scalar_type()),
-             "; expected the same dtype");
+             " has dtype ", util::dtype_name(tensor.scalar_type()), " (shape ",
+             shape_string(tensor), ") but ", reference_what, " has dtype ",
+             util::dtype_name(reference.scalar_type()), "; expected the same dtype");
 }
 
 void check_numel(const char* op, const char* what, const at::Tensor& tensor, int64_t expected) {
   LOOM_CHECK(tensor.numel() == expected, InvalidArgument, op, ": ", what, " has ", tensor.numel(),
-             " elements (dtype ", dtype_name(tensor.scalar_type()), ", shape ",
+             " elements (dtype ", util::dtype_name(tensor.scalar_type()), ", shape ",
              shape_string(tensor), "); expected ", expected);
 }
 
@@ -137,7 +118,7 @@ void check_rank(const char* op, const char* what, int rank, int size) {
 
 void check_reduce_op(const char* op, ReduceOp reduce, at::ScalarType dtype) {
   LOOM_CHECK(!(reduce == ReduceOp::kAvg && is_integral(dtype)), InvalidArgument, op,
-             ": ReduceOp avg is not supported for integer dtype ", dtype_name(dtype),
+             ": ReduceOp avg is not supported for integer dtype ", util::dtype_name(dtype),
              " (a truncated mean would silently lose information); reduce with sum and divide, "
              "or use a floating-point dtype");
 }

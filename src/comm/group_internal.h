@@ -19,8 +19,6 @@
 
 namespace loom::comm::internal {
 
-// "float32", "bfloat16", "int64", ... (torch's own name for dtypes Loom does not support).
-std::string dtype_name(at::ScalarType dtype);
 // "[2, 3]".
 std::string shape_string(const at::Tensor& tensor);
 bool is_integral(at::ScalarType dtype);

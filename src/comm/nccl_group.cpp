@@ -21,6 +21,7 @@
 #include "comm/work.h"
 #include "loom/comm/flight_recorder.h"
 #include "loom/comm/nccl.h"
+#include "util/dtype.h"
 
 namespace loom::comm {
 namespace {
@@ -240,8 +241,7 @@ WorkImpl::Poll poll_op(std::shared_ptr<Comm> comm, std::shared_ptr<PendingOp> op
 }
 
 std::string describe(const char* op, const at::Tensor& t) {
-  return detail::concat(op, " (", internal::dtype_name(t.scalar_type()), ", ", t.numel(),
-                        " elements)");
+  return detail::concat(op, " (", util::dtype_name(t.scalar_type()), ", ", t.numel(), " elements)");
 }
 
 class NcclGroup final : public Group {
@@ -430,7 +430,7 @@ class NcclGroup final : public Group {
                  std::vector<at::Tensor> keep, std::chrono::milliseconds timeout, Body body) {
     if (comm_->state.is_broken()) throw CommError(comm_->unusable());
     const uint64_t sequence = comm_->state.recorder.enqueue(
-        op, internal::dtype_name(main.scalar_type()), main.numel(), std::move(peers));
+        op, util::dtype_name(main.scalar_type()), main.numel(), std::move(peers));
     const std::string label = detail::concat(describe(op, main), " #", sequence);
     auto pending = std::make_shared<PendingOp>();
     pending->tensors = std::move(keep);

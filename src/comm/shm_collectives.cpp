@@ -26,6 +26,7 @@
 #include "comm/group_internal.h"
 #include "comm/reduce_kernels.h"
 #include "loom/error.h"
+#include "util/dtype.h"
 
 namespace loom::comm::internal {
 namespace {
@@ -515,7 +516,7 @@ void dispatch_reducible(const char* op, at::ScalarType dtype, F&& f) {
           detail::concat(op,
                          ": the shared-memory path reduces fp32, fp64, int32, int64 and "
                          "uint8 (bf16 and fp16 are accumulated in fp32 by the caller), not ",
-                         dtype_name(dtype)));
+                         util::dtype_name(dtype)));
   }
 }
 

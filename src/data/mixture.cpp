@@ -10,6 +10,7 @@
 
 #include "data/permutation.h"
 #include "loom/error.h"
+#include "util/dtype.h"
 #include "util/mix.h"
 
 namespace loom::data {
@@ -24,7 +25,7 @@ constexpr const char* kAlgorithm = "mixture-v1";
 std::string layout_of(const Batch& batch) {
   std::string layout;
   for (const auto& [name, t] : batch.tensors) {
-    layout += name + ":" + c10::toString(t.scalar_type()) + "[";
+    layout += name + ":" + util::dtype_name(t.scalar_type()) + "[";
     for (int64_t d = 1; d < t.dim(); ++d) layout += (d > 1 ? "," : "") + std::to_string(t.size(d));
     layout += "] ";
   }

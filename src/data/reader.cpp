@@ -19,6 +19,7 @@
 #include "loom/data/cache.h"
 #include "loom/data/registry.h"
 #include "loom/error.h"
+#include "util/dtype.h"
 #include "util/hash.h"
 
 namespace loom::data {
@@ -27,15 +28,10 @@ namespace {
 namespace fs = std::filesystem;
 
 at::ScalarType scalar_type(const std::string& dtype) {
-  static const std::map<std::string, at::ScalarType> types = {
-      {"uint8", at::kByte},        {"int8", at::kChar},     {"int16", at::kShort},
-      {"int32", at::kInt},         {"int64", at::kLong},    {"float16", at::kHalf},
-      {"bfloat16", at::kBFloat16}, {"float32", at::kFloat}, {"float64", at::kDouble},
-      {"bool", at::kBool}};
-  const auto it = types.find(dtype);
-  LOOM_CHECK(it != types.end(), CorruptData, "the dataset's manifest names tensor dtype '", dtype,
+  const std::optional<at::ScalarType> type = util::dtype_of(dtype);
+  LOOM_CHECK(type.has_value(), CorruptData, "the dataset's manifest names tensor dtype '", dtype,
              "', which this Loom does not read");
-  return it->second;
+  return *type;
 }
 
 // Index of the shard holding global item `i`, given each shard's first item (begins[0] == 0).

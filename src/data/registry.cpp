@@ -134,12 +134,7 @@ bool create_exclusive(const fs::path& target, const std::string& contents) {
     util::UniqueFd fd(
         LOOM_CHECK_SYS(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
                        "creating ", tmp.string()));
-    size_t done = 0;
-    while (done < contents.size()) {
-      done += static_cast<size_t>(
-          LOOM_CHECK_SYS(::write(fd.get(), contents.data() + done, contents.size() - done),
-                         "writing ", tmp.string()));
-    }
+    util::write_all(fd.get(), contents.data(), contents.size(), tmp);
     LOOM_CHECK_SYS(::fsync(fd.get()), "fsyncing ", tmp.string());
   }
   const int rc = ::link(tmp.c_str(), target.c_str());

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "loom/error.h"
+#include "util/dtype.h"
 #include "util/hash.h"
 
 namespace loom::data::format {
@@ -45,14 +46,10 @@ void check_magic(const util::MappedFile& file, const char (&magic)[8], uint32_t 
 }  // namespace
 
 size_t dtype_size(const std::string& dtype) {
-  static const std::map<std::string, size_t> sizes = {
-      {"uint8", 1},   {"int8", 1},     {"int16", 2},   {"int32", 4},   {"int64", 8},
-      {"float16", 2}, {"bfloat16", 2}, {"float32", 4}, {"float64", 8}, {"bool", 1}};
-  auto it = sizes.find(dtype);
-  LOOM_CHECK(
-      it != sizes.end(), InvalidArgument, "unknown tensor dtype '", dtype,
-      "'; use uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64 or bool");
-  return it->second;
+  const std::optional<c10::ScalarType> type = util::dtype_of(dtype);
+  LOOM_CHECK(type.has_value(), InvalidArgument, "unknown tensor dtype '", dtype, "'; use ",
+             util::dtype_names());
+  return c10::elementSize(*type);
 }
 
 const char* field_type_name(FieldType type) {

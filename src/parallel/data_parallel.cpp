@@ -22,6 +22,7 @@
 #include "loom/error.h"
 #include "loom/metrics/allocations.h"
 #include "parallel/sum_of_squares.h"
+#include "util/dtype.h"
 
 namespace loom::parallel {
 
@@ -115,11 +116,9 @@ std::string shape_string(at::IntArrayRef shape) {
   return out.str();
 }
 
-std::string dtype_string(at::ScalarType dtype) { return c10::toString(dtype); }
-
 // "name|dtype|shape" per parameter, one per line: what every rank must agree on.
 std::string signature_line(const std::string& name, const at::Tensor& t) {
-  return name + "|" + dtype_string(t.scalar_type()) + "|" + shape_string(t.sizes());
+  return name + "|" + util::dtype_name(t.scalar_type()) + "|" + shape_string(t.sizes());
 }
 
 std::vector<std::string> split_lines(const std::string& text) {

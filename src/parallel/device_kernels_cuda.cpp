@@ -11,6 +11,7 @@
 #include "comm/cuda_stream.h"
 #include "loom/error.h"
 #include "sum_squares.h"
+#include "util/dtype.h"
 
 namespace loom::optim::internal {
 namespace {
@@ -19,11 +20,12 @@ void check_buffer(const char* op, const char* what, const at::Tensor& t, at::Sca
                   const at::Tensor& reference) {
   LOOM_CHECK(t.defined() && t.is_cuda() && t.scalar_type() == dtype && t.is_contiguous() &&
                  t.device() == reference.device() && t.numel() == reference.numel(),
-             InvalidArgument, op, ": ", what, " must be a contiguous ", c10::toString(dtype),
+             InvalidArgument, op, ": ", what, " must be a contiguous ", util::dtype_name(dtype),
              " tensor of ", reference.numel(), " elements on ", reference.device().str(), "; got ",
-             t.defined() ? detail::concat(c10::toString(t.scalar_type()), "[", t.numel(), "] on ",
-                                          t.device().str(), t.is_contiguous() ? "" : " (strided)")
-                         : std::string("an undefined tensor"));
+             t.defined()
+                 ? detail::concat(util::dtype_name(t.scalar_type()), "[", t.numel(), "] on ",
+                                  t.device().str(), t.is_contiguous() ? "" : " (strided)")
+                 : std::string("an undefined tensor"));
 }
 
 }  // namespace
@@ -62,7 +64,7 @@ at::Tensor fused_sum_of_squares(const std::vector<at::Tensor>& tensors) {
                    t.device() == tensors[0].device(),
                InvalidArgument, "fused sum of squares: tensors[", i,
                "] must be a contiguous float32 tensor on ", tensors[0].device().str(), "; got ",
-               c10::toString(t.scalar_type()), " on ", t.device().str());
+               util::dtype_name(t.scalar_type()), " on ", t.device().str());
     views.push_back({t.data_ptr<float>(), t.numel()});
   }
   const int count = static_cast<int>(views.size());

@@ -23,6 +23,7 @@
 #include "loom/error.h"
 #include "loom/metrics/allocations.h"
 #include "parallel/sum_of_squares.h"
+#include "util/dtype.h"
 
 namespace loom::parallel {
 
@@ -32,7 +33,7 @@ namespace {
 
 void check_floating(const std::optional<at::ScalarType>& dtype, const char* what) {
   LOOM_CHECK(!dtype || at::isFloatingType(*dtype), InvalidArgument, what,
-             " must be a floating-point dtype, got ", c10::toString(dtype.value_or(at::kFloat)));
+             " must be a floating-point dtype, got ", util::dtype_name(dtype.value_or(at::kFloat)));
 }
 
 }  // namespace
@@ -426,9 +427,9 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       for (int i : unit.params) {
         LOOM_CHECK(params[i].tensor.scalar_type() == params[unit.params[0]].tensor.scalar_type(),
                    InvalidArgument, "FSDP: ", unit.name, " mixes dtypes: parameter '",
-                   params[i].name, "' is ", c10::toString(params[i].tensor.scalar_type()),
+                   params[i].name, "' is ", util::dtype_name(params[i].tensor.scalar_type()),
                    ", parameter '", params[unit.params[0]].name, "' is ",
-                   c10::toString(params[unit.params[0]].tensor.scalar_type()));
+                   util::dtype_name(params[unit.params[0]].tensor.scalar_type()));
       }
     }
   }
@@ -439,7 +440,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     const milliseconds timeout = options.timeout;
     std::string mine;
     for (const Param& p : params) {
-      mine += p.name + "|" + c10::toString(p.tensor.scalar_type()) + "|" +
+      mine += p.name + "|" + util::dtype_name(p.tensor.scalar_type()) + "|" +
               shape_string(p.tensor.sizes()) + "|" + units[p.unit].name + "\n";
     }
     at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device);

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "loom/error.h"
+#include "util/dtype.h"
 
 namespace loom::parallel {
 
@@ -180,8 +181,9 @@ class StepTransfers {
     } else {
       LOOM_CHECK(it->second.first == t.sizes().vec() && it->second.second == t.scalar_type(),
                  InvalidArgument, "Pipeline: stage ", sender_of(kind, receiver), " sends ",
-                 t.sizes(), " ", t.scalar_type(), " for micro-batch ", mb, " but ",
-                 at::IntArrayRef(it->second.first), " ", it->second.second,
+                 t.sizes(), " ", util::dtype_name(t.scalar_type()), " for micro-batch ", mb,
+                 " but ", at::IntArrayRef(it->second.first), " ",
+                 util::dtype_name(it->second.second),
                  " for the first of the step; every micro-batch of a step must have one shape");
     }
     out.work = group_.send(out.payload, dst,

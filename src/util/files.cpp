@@ -58,23 +58,44 @@ void fsync_dir(const std::filesystem::path& dir) {
   LOOM_CHECK_SYS(::fsync(fd.get()), "syncing directory ", dir);
 }
 
-void write_file_atomic(const std::filesystem::path& path, const std::string& contents) {
+void write_all(int fd, const void* data, size_t size, const std::filesystem::path& file) {
+  const auto* bytes = static_cast<const char*>(data);
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::write(fd, bytes + done, size - done);
+    if (n == -1 && errno == EINTR) continue;
+    done += static_cast<size_t>(LOOM_CHECK_SYS(n, "writing ", file));
+  }
+}
+
+void write_file_atomic(const std::filesystem::path& path,
+                       const std::function<void(int fd, const std::filesystem::path& temp)>& write,
+                       Durability durability) {
   std::filesystem::path dir = path.parent_path().empty() ? "." : path.parent_path();
   std::filesystem::path temp = dir / detail::concat(".", path.filename().string(), ".tmp.",
                                                     ::getpid(), ".", temp_counter.fetch_add(1));
-  {
-    UniqueFd fd(LOOM_CHECK_SYS(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                               "creating ", temp));
-    size_t done = 0;
-    while (done < contents.size()) {
-      ssize_t n = LOOM_CHECK_SYS(::write(fd.get(), contents.data() + done, contents.size() - done),
-                                 "writing ", temp);
-      done += static_cast<size_t>(n);
-    }
-    LOOM_CHECK_SYS(::fsync(fd.get()), "syncing ", temp);
+  UniqueFd fd(LOOM_CHECK_SYS(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                             "creating ", temp));
+  try {
+    write(fd.get(), temp);
+    if (durability == Durability::kFsync) LOOM_CHECK_SYS(::fsync(fd.get()), "syncing ", temp);
+    fd.reset();
+    LOOM_CHECK_SYS(::rename(temp.c_str(), path.c_str()), "renaming ", temp, " to ", path);
+  } catch (...) {
+    ::unlink(temp.c_str());
+    throw;
   }
-  LOOM_CHECK_SYS(::rename(temp.c_str(), path.c_str()), "renaming ", temp, " to ", path);
-  fsync_dir(dir);
+  if (durability == Durability::kFsync) fsync_dir(dir);
+}
+
+void write_file_atomic(const std::filesystem::path& path, const std::string& contents,
+                       Durability durability) {
+  write_file_atomic(
+      path,
+      [&](int fd, const std::filesystem::path& temp) {
+        write_all(fd, contents.data(), contents.size(), temp);
+      },
+      durability);
 }
 
 std::string read_file(const std::filesystem::path& path) {

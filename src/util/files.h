@@ -2,16 +2,32 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <string_view>
 
 namespace loom::util {
 
-// Writes `contents` to `path` atomically and durably: a temporary file in the same directory
-// is written and fsynced, renamed over `path`, then the directory is fsynced. Readers see the
-// old file or the new one, never a mix; after return the new file survives a crash.
-// Failure is IoError naming the path.
-void write_file_atomic(const std::filesystem::path& path, const std::string& contents);
+// How write_file_atomic finishes.
+enum class Durability {
+  kFsync,       // the file and then its directory are fsynced: the new file survives a crash
+  kAtomicOnly,  // no fsync (rendezvous files, which a crashed host's job does not reread)
+};
+
+// Loom's one atomic file write: a temporary file in the same directory is written (and, with
+// kFsync, fsynced), renamed over `path` (and, with kFsync, the directory fsynced). Readers see
+// the old file or the new one, never a mix. Failure is IoError naming the file, and leaves no
+// temporary file behind.
+void write_file_atomic(const std::filesystem::path& path, const std::string& contents,
+                       Durability durability = Durability::kFsync);
+// The same with the contents written by `write` into the temporary file's descriptor `fd`
+// (through write_all), for contents too large to hold as one string.
+void write_file_atomic(const std::filesystem::path& path,
+                       const std::function<void(int fd, const std::filesystem::path& temp)>& write,
+                       Durability durability = Durability::kFsync);
+
+// Writes all `size` bytes to `fd`, through short writes and EINTR; IoError naming `file`.
+void write_all(int fd, const void* data, size_t size, const std::filesystem::path& file);
 
 // The whole file. A missing or unreadable file is IoError naming the path.
 std::string read_file(const std::filesystem::path& path);

@@ -62,8 +62,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           v1::HeartbeatRequest r;
           if (!r.ParseFromArray(message, static_cast<int>(length))) break;
           if (r.rank() >= 0) {
-            (void)m.worker_heartbeat(r.rank(), r.generation(), r.step(), r.throughput(),
-                                     r.state());
+            (void)m.worker_heartbeat(r.rank(), r.generation(), r.step(), r.throughput(), r.state());
           } else {
             (void)m.node_heartbeat(r.node_id(), r.generation());
           }

@@ -24,8 +24,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (!shard.check(i, &payload).empty()) continue;
       // A payload handed out lies between the header and the index.
       const uint8_t* begin = shard.file().data() + sizeof(format::RecordHeader);
-      if (payload.first < begin || payload.first + payload.second > shard.file().data() +
-                                                                        shard.file().size()) {
+      if (payload.first < begin ||
+          payload.first + payload.second > shard.file().data() + shard.file().size()) {
         __builtin_trap();
       }
     }

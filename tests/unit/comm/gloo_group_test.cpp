@@ -264,7 +264,7 @@ TEST(GlooGroup, BadArgumentsAreInvalidArgumentNamingOpDtypeAndShape) {
   auto group = new_gloo_group(store, 0, 1, quick_options());
   at::Tensor bools = at::zeros({2, 3}, at::kBool);
   expect_throw_naming<InvalidArgument>([&] { group->all_reduce(bools); },
-                                       {"all_reduce", "Bool", "[2, 3]", "float32"});
+                                       {"all_reduce", "bool", "[2, 3]", "float32"});
   at::Tensor strided = at::zeros({4, 4}).t();
   expect_throw_naming<InvalidArgument>([&] { group->broadcast(strided); },
                                        {"broadcast", "non-contiguous", "[4, 4]"});

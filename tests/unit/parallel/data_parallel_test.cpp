@@ -72,8 +72,8 @@ TEST(DataParallel, MismatchedModelsAreAnErrorNamingRankAndParameter) {
     const std::string message = loom::testing::error_of<InvalidArgument>(
         [&] { DataParallel dp(model, *group, {.timeout = std::chrono::seconds(20)}); });
     EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
-    EXPECT_NE(message.find("fc1.weight|Float|[16, 8]"), std::string::npos) << message;
-    EXPECT_NE(message.find("fc1.weight|Float|[12, 8]"), std::string::npos) << message;
+    EXPECT_NE(message.find("fc1.weight|float32|[16, 8]"), std::string::npos) << message;
+    EXPECT_NE(message.find("fc1.weight|float32|[12, 8]"), std::string::npos) << message;
   });
   expect_all_ok(outcomes);
 }
@@ -89,7 +89,7 @@ TEST(DataParallel, ConstructionChecksTravelOverTheControlGroup) {
     auto model = std::make_shared<Mlp>(r.rank == 0 ? 16 : 12);
     const std::string message = loom::testing::error_of<InvalidArgument>(
         [&] { DataParallel dp(model, *group, *control, {.timeout = std::chrono::seconds(20)}); });
-    EXPECT_NE(message.find("fc1.weight|Float|[12, 8]"), std::string::npos) << message;
+    EXPECT_NE(message.find("fc1.weight|float32|[12, 8]"), std::string::npos) << message;
     EXPECT_EQ(group->flight_recorder().snapshot().size(), 0u);
     const auto checks = control->flight_recorder().snapshot();
     ASSERT_EQ(checks.size(), 2u);

@@ -320,7 +320,7 @@ TEST(PipelineFailures, MicroBatchesOfOneStepWithTwoShapesAreNamed) {
     if (r.rank == 0) {
       EXPECT_THAT([&] { pipe.step(batch, batch, mse); },
                   ::testing::ThrowsMessage<InvalidArgument>(
-                      "Pipeline: stage 0 sends [2, 2] Float for micro-batch 1 but [2, 3] Float "
+                      "Pipeline: stage 0 sends [2, 2] float32 for micro-batch 1 but [2, 3] float32 "
                       "for the first of the step; every micro-batch of a step must have one "
                       "shape"));
     } else {  // the second stage waits for a micro-batch that never comes
