@@ -118,8 +118,8 @@ struct Server {
 
   explicit Server(const std::string& token) {
     int to_child[2], from_child[2];
-    LOOM_CHECK(pipe(to_child) == 0 && pipe(from_child) == 0, loom::IoError, "pipe: ",
-               std::strerror(errno));
+    LOOM_CHECK(pipe(to_child) == 0 && pipe(from_child) == 0, loom::IoError,
+               "pipe: ", std::strerror(errno));
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, to_child[0], 0);
@@ -252,10 +252,10 @@ RoundResult run_round(const Settings& s) {
       // A heartbeat must find its generation running: anything else is a failure too.
       auto* beat = dynamic_cast<TypedCall<v1::HeartbeatReply>*>(call.get());
       if (ok && call->status.ok() && beat != nullptr && beat->reply.state() != v1::RUNNING) {
-        call->status = grpc::Status(grpc::StatusCode::INTERNAL,
-                                    "heartbeat answered state " +
-                                        std::to_string(beat->reply.state()) + ": " +
-                                        beat->reply.reason());
+        call->status =
+            grpc::Status(grpc::StatusCode::INTERNAL, "heartbeat answered state " +
+                                                         std::to_string(beat->reply.state()) +
+                                                         ": " + beat->reply.reason());
       }
       if (call->counted) {
         if (!ok || !call->status.ok()) {
@@ -273,9 +273,8 @@ RoundResult run_round(const Settings& s) {
   const Clock::time_point start = Clock::now();
   const Clock::time_point measure_from =
       start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s.warmup));
-  const Clock::time_point end =
-      measure_from +
-      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s.seconds));
+  const Clock::time_point end = measure_from + std::chrono::duration_cast<Clock::duration>(
+                                                   std::chrono::duration<double>(s.seconds));
 
   auto prepare = [&](Call& call, Kind kind, Clock::time_point when) {
     call.context.AddMetadata(kTokenMetadata, token);
@@ -422,8 +421,7 @@ int main(int argc, char** argv) {
       "store traffic, on loopback, beside the goals (p99 under 50 ms on one core)"};
   app.add_option("--workers", s.workers, "simulated workers, each with its own connection")
       ->check(CLI::Range(1, 100000));
-  app.add_option("--seconds", s.seconds, "measured seconds per round")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--seconds", s.seconds, "measured seconds per round")->check(CLI::PositiveNumber);
   app.add_option("--warmup", s.warmup, "seconds before the measurement (connections opening)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--store-every", s.store_every,
@@ -500,8 +498,8 @@ int main(int argc, char** argv) {
   if (s.json) {
     for (const auto& row : rows) loom::bench::print_json(row);
   } else {
-    std::printf("%-28s %9s %9s %9s %9s %7s  %s\n", "case (latency)", "p99 ms", "goal ms",
-                "p50 ms", "max ms", "ratio", "p99 over rounds");
+    std::printf("%-28s %9s %9s %9s %9s %7s  %s\n", "case (latency)", "p99 ms", "goal ms", "p50 ms",
+                "max ms", "ratio", "p99 over rounds");
     for (int k = 0; k < 2; ++k) {
       const auto& row = rows[k];
       std::printf("%-28s %9.2f %9.0f %9.2f %9.2f %7.2f  %.2f..%.2f ms, %.0f calls/s, %.0f failed\n",
