@@ -7,6 +7,16 @@ if(LOOM_CCACHE AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
   message(STATUS "Loom: compiling through ccache (${LOOM_CCACHE})")
 endif()
 
+# Sanitizers (tools/run-tests.sh --sanitize=...): every Loom target compiles and links with
+# -fsanitize=$LOOM_SANITIZE, e.g. "address,undefined" or "thread". Dependencies (libtorch,
+# gRPC, Gloo) stay uninstrumented: their own bugs are out of reach, and ours inside them too.
+set(LOOM_SANITIZE "" CACHE STRING "Sanitizers to build with: address,undefined or thread; empty: none")
+if(LOOM_SANITIZE)
+  add_compile_options(-fsanitize=${LOOM_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)
+  add_link_options(-fsanitize=${LOOM_SANITIZE})
+  message(STATUS "Loom: sanitizers ${LOOM_SANITIZE}")
+endif()
+
 # Warnings apply to Loom's own sources only: torch and other dependencies come in through
 # imported targets, whose include directories are SYSTEM and so exempt.
 function(loom_warnings target)
