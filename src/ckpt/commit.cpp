@@ -6,6 +6,7 @@
 
 #include "loom/comm/store.h"
 #include "loom/error.h"
+#include "util/deadline.h"
 
 namespace loom::ckpt {
 namespace {
@@ -48,12 +49,6 @@ std::pair<Enum, std::string> decode(const std::string& value, const Enum (&value
 constexpr RankStatus kStatuses[] = {RankStatus::kWritten, RankStatus::kFailed,
                                     RankStatus::kSkipped};
 constexpr Decision kDecisions[] = {Decision::kCommitted, Decision::kFailed, Decision::kSkipped};
-
-std::chrono::milliseconds remaining(StepCommit::Clock::time_point deadline) {
-  return std::max(
-      std::chrono::milliseconds(0),
-      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - StepCommit::Clock::now()));
-}
 
 }  // namespace
 
@@ -120,13 +115,13 @@ std::string StepCommit::await(const std::string& name, const char* what,
     LOOM_CHECK(abandon_ == nullptr || !abandon_->load(), Error, "checkpoint commit of step ", step_,
                ": abandoned while waiting for ", what, " (key '", name,
                "'): the Checkpointer's owner is unwinding from a failure");
-    const auto left = remaining(deadline);
-    if (left.count() == 0)
+    if (util::expired(deadline))
       throw Timeout(detail::concat(
           "checkpoint commit of step ", step_, ": timed out after ",
           std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count(),
           " ms waiting for ", what, " (key '", name, "')"));
-    std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(left, kPoll));
+    std::this_thread::sleep_for(
+        std::min<std::chrono::milliseconds>(util::time_left(deadline), kPoll));
   }
   return store_.get(name, std::chrono::milliseconds(0));
 }

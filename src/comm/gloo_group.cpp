@@ -34,6 +34,7 @@
 #include "comm/work.h"
 #include "loom/comm/flight_recorder.h"
 #include "loom/error.h"
+#include "util/deadline.h"
 #include "util/dtype.h"
 #include "util/mix.h"
 
@@ -197,9 +198,8 @@ void allreduce_tensor(const std::shared_ptr<gloo::Context>& context, ShmCollecti
   } else if (node != nullptr) {
     if (node->local != nullptr) node->local->all_reduce(tensor, op, tag, deadline);
     if (node->leaders != nullptr) {
-      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
       try {
-        allreduce_gloo(node->leaders, tensor, op, tag, std::max(left, milliseconds(1)));
+        allreduce_gloo(node->leaders, tensor, op, tag, util::time_left(deadline));
       } catch (const std::exception& e) {
         // This host's other ranks wait in the broadcast below: fail them now, not at the deadline.
         if (node->local != nullptr) {
@@ -253,10 +253,7 @@ void reduce_scatter_ring(const std::shared_ptr<gloo::Context>& context, const at
     return;
   }
   const Clock::time_point deadline = Clock::now() + timeout;
-  auto left = [&] {
-    return std::max(milliseconds{1},
-                    std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
-  };
+  auto left = [&] { return util::time_left(deadline); };
   auto chunk = [&](int c) { return shard_range(n, world, ((c % world) + world) % world); };
   const ReduceKernel kernel = reduce_kernel<T>(op);
   const int64_t most = std::max<int64_t>(1, chunk(0).size());
@@ -701,9 +698,7 @@ void GlooGroup::wait_transfer(PendingTransfer& pending) {
   bool timed_out = false;
   try {
     const Transfer& transfer = pending.transfer;
-    const milliseconds left =
-        std::max(milliseconds{1},
-                 std::chrono::duration_cast<milliseconds>(transfer.deadline - Clock::now()));
+    const milliseconds left = util::time_left(transfer.deadline);
     bool done = false;
     LOOM_GLOO_CHECK(done = transfer.is_send ? transfer.buffer->waitSend(left)
                                             : transfer.buffer->waitRecv(left));

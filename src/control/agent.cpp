@@ -24,6 +24,7 @@
 #include "loom/control/coordinator.h"
 #include "loom/control/store.h"
 #include "loom/error.h"
+#include "util/deadline.h"
 #include "util/fd.h"
 #include "util/subprocess.h"
 
@@ -244,15 +245,15 @@ class Agent {
             " while waiting for the other nodes: stopping");
         return std::nullopt;
       }
-      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+      const bool last = util::expired(deadline);  // one more Join, then give up
       v1::JoinRequest request;
       request.set_node_id(node_id_);
       request.set_nproc(options_.nproc_per_node);
       request.set_node_rank_hint(options_.node_rank);
-      request.set_timeout_ms(std::clamp(left, milliseconds(0), milliseconds(1000)).count());
+      request.set_timeout_ms(std::min(util::time_left(deadline), milliseconds(1000)).count());
       v1::JoinReply reply =
           client_->call("Join", &CoordinatorClient::Stub::Join, request, milliseconds(1000));
-      if (reply.outcome() != v1::JOIN_WAITING || left <= milliseconds(0)) return reply;
+      if (reply.outcome() != v1::JOIN_WAITING || last) return reply;
     }
   }
 
@@ -386,9 +387,7 @@ class Agent {
     const auto deadline = Clock::now() + options_.grace;
     for (Worker& w : workers) {
       if (w.status) continue;
-      const auto left = std::max(milliseconds(0),
-                                 std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
-      w.status = w.process.wait_for(left);
+      w.status = w.process.wait_for(util::time_left(deadline));
       if (!w.status) {
         say("rank ", w.rank, " did not stop within ", options_.grace.count(), " ms: SIGKILL");
         w.process.signal(SIGKILL);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/control/coordinator.h"
 #include "loom/control/tls.h"
 
 namespace loom::control {
@@ -37,9 +38,9 @@ struct AgentOptions {
   std::chrono::milliseconds grace{std::chrono::seconds(10)};  // SIGTERM -> SIGKILL
   std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(120)};
   std::chrono::milliseconds heartbeat_interval{std::chrono::milliseconds(500)};
-  std::chrono::milliseconds node_timeout{std::chrono::seconds(5)};
-  std::chrono::milliseconds worker_timeout{std::chrono::seconds(60)};
-  std::chrono::milliseconds last_call{std::chrono::seconds(2)};
+  std::chrono::milliseconds node_timeout = kDefaultNodeTimeout;
+  std::chrono::milliseconds worker_timeout = kDefaultWorkerTimeout;
+  std::chrono::milliseconds last_call = kDefaultLastCall;
 };
 
 // Runs the job on this node until it finishes, fails or is stopped by SIGINT/SIGTERM (which it

@@ -17,6 +17,7 @@
 #include "loom.grpc.pb.h"
 #include "loom/comm/store.h"
 #include "loom/error.h"
+#include "util/deadline.h"
 
 namespace loom::control {
 namespace {
@@ -191,10 +192,9 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     const auto deadline = Clock::now() + timeout;
     for (;;) {
       if (store.check(keys)) return {};
-      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-      if (left <= milliseconds(0) || c->IsCancelled() || stopping()) break;
+      if (util::expired(deadline) || c->IsCancelled() || stopping()) break;
       try {
-        store.wait(keys, std::min(left, kSlice));
+        store.wait(keys, std::min(util::time_left(deadline), kSlice));
         return {};
       } catch (const Timeout&) {
       }

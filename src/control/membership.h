@@ -22,19 +22,21 @@
 #include <string>
 #include <vector>
 
+#include "loom/control/coordinator.h"
+
 namespace loom::control {
 
 struct MembershipOptions {
   int min_nodes = 1;  // a round closes once this many agents joined and ...
   int max_nodes = 1;  // ... this many joined, or last_call passed since min_nodes was reached
-  std::chrono::milliseconds last_call{std::chrono::seconds(2)};
+  std::chrono::milliseconds last_call = kDefaultLastCall;
   // Generations ended by a failure beyond this many fail the job; a lost node does not count.
   int max_restarts = 0;
   // An agent of the running generation silent this long is lost (not a failure).
-  std::chrono::milliseconds node_timeout{std::chrono::seconds(5)};
+  std::chrono::milliseconds node_timeout = kDefaultNodeTimeout;
   // A worker that heartbeated in this generation and then is silent this long is hung (a
   // failure).
-  std::chrono::milliseconds worker_timeout{std::chrono::seconds(30)};
+  std::chrono::milliseconds worker_timeout = kDefaultWorkerTimeout;
   // A waiting agent that has not renewed its join this long went away and leaves the round.
   std::chrono::milliseconds waiting_expiry{std::chrono::seconds(3)};
 };

@@ -22,6 +22,7 @@
 #include "loom/error.h"
 #include "loom/metrics/allocations.h"
 #include "parallel/sum_of_squares.h"
+#include "util/deadline.h"
 #include "util/dtype.h"
 
 namespace loom::parallel {
@@ -174,11 +175,6 @@ struct DataParallel::Impl {
 
   at::TensorOptions on_device(at::ScalarType dtype) const {
     return at::TensorOptions().dtype(dtype).device(device);
-  }
-
-  milliseconds remaining(Clock::time_point deadline) const {
-    return std::max(milliseconds(1),
-                    std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
   }
 
   std::string describe_bucket(int b) const {
@@ -336,14 +332,15 @@ struct DataParallel::Impl {
   void broadcast_from_rank0(milliseconds timeout) {
     const Clock::time_point deadline = Clock::now() + timeout;
     for (Bucket& bucket : buckets) {
-      group.broadcast(bucket.data, {.root = 0, .timeout = timeout})->wait(remaining(deadline));
+      group.broadcast(bucket.data, {.root = 0, .timeout = timeout})
+          ->wait(util::time_left(deadline));
     }
     torch::NoGradGuard no_grad;
     for (at::Tensor buffer : module->buffers(/*recurse=*/true)) {
       // Collectives carry no bool: a bool buffer (e.g. a causal mask) travels as its bytes.
       at::Tensor contiguous =
           buffer.scalar_type() == at::kBool ? buffer.to(at::kByte) : buffer.contiguous();
-      group.broadcast(contiguous, {.root = 0, .timeout = timeout})->wait(remaining(deadline));
+      group.broadcast(contiguous, {.root = 0, .timeout = timeout})->wait(util::time_left(deadline));
       if (!contiguous.is_same(buffer)) buffer.copy_(contiguous);
     }
   }
@@ -459,7 +456,7 @@ struct DataParallel::Impl {
   // Waits for bucket b's reduction; Timeout and CommError name the bucket.
   void wait_for_bucket(int b, Clock::time_point deadline) {
     try {
-      buckets[b].work->wait(remaining(deadline));
+      buckets[b].work->wait(util::time_left(deadline));
     } catch (const Timeout& e) {
       throw Timeout(detail::concat(
           "DataParallel on rank ", rank, ": the reduction of ", describe_bucket(b),
@@ -643,7 +640,7 @@ struct DataParallel::Impl {
     }
     for (size_t b = 0; b < works.size(); ++b) {
       try {
-        works[b]->wait(remaining(deadline));
+        works[b]->wait(util::time_left(deadline));
       } catch (const Timeout& e) {
         throw Timeout(
             detail::concat("DataParallel::step on rank ", rank, ": gathering the parameters of ",

@@ -23,6 +23,7 @@
 #include "loom/error.h"
 #include "loom/metrics/allocations.h"
 #include "parallel/sum_of_squares.h"
+#include "util/deadline.h"
 #include "util/dtype.h"
 
 namespace loom::parallel {
@@ -287,11 +288,6 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
   at::TensorOptions on_device(at::ScalarType dtype) const {
     return at::TensorOptions().dtype(dtype).device(device);
   }
-  milliseconds remaining(Clock::time_point deadline) const {
-    return std::max(milliseconds(1),
-                    std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
-  }
-
   std::string describe_unit(int u) const {
     const Unit& unit = units[u];
     std::string names;
@@ -496,7 +492,8 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
             .view(params[i].shape)
             .copy_(params[i].tensor);
       }
-      group.broadcast(flat, {.root = 0, .timeout = options.timeout})->wait(remaining(deadline));
+      group.broadcast(flat, {.root = 0, .timeout = options.timeout})
+          ->wait(util::time_left(deadline));
       unit.shard = flat.narrow(0, unit.shard_begin, unit.shard_size()).clone();
       unit.full = unit.compute_dtype == unit.dtype ? flat : flat.to(unit.compute_dtype);
       flat = at::Tensor();
@@ -520,7 +517,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       at::Tensor contiguous =
           buffer.scalar_type() == at::kBool ? buffer.to(at::kByte) : buffer.contiguous();
       group.broadcast(contiguous, {.root = 0, .timeout = options.timeout})
-          ->wait(remaining(deadline));
+          ->wait(util::time_left(deadline));
       if (!contiguous.is_same(buffer)) buffer.copy_(contiguous);
     }
   }
@@ -774,7 +771,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
   void complete_reduce(int u, Clock::time_point deadline) {
     Unit& unit = units[u];
     try {
-      unit.reduce_work->wait(remaining(deadline));
+      unit.reduce_work->wait(util::time_left(deadline));
     } catch (const Timeout& e) {
       throw Timeout(loom::detail::concat(
           "FSDP on rank ", rank, ": the reduce-scatter of ", describe_unit(u),

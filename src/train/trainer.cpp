@@ -75,20 +75,21 @@ data::Batch micro_batch(const data::Batch& batch, int64_t m, int64_t count) {
 }  // namespace
 
 ConfigSchema TrainOptions::schema() {
+  const TrainOptions d;  // the defaults, stated once (trainer.h)
   ConfigSchema s;
-  s.add("train.steps", int64_t{1000}, "optimizer steps of the whole run");
-  s.add("train.micro_batches", int64_t{1}, "gradient accumulation: micro-batches per step");
-  s.add("train.grad_clip", 1.0, "max global gradient norm; 0 = no clipping");
+  s.add("train.steps", d.steps, "optimizer steps of the whole run");
+  s.add("train.micro_batches", d.micro_batches, "gradient accumulation: micro-batches per step");
+  s.add("train.grad_clip", d.grad_clip, "max global gradient norm; 0 = no clipping");
   s.add("train.lr", 1e-3,
         "peak learning rate; unset with the constant schedule: the optimizer's own rate");
   s.add("train.min_lr", 0.0, "learning rate at the end of the cosine decay");
   s.add("train.warmup_steps", int64_t{0}, "linear warmup steps");
   s.add("train.schedule", "constant", "constant or cosine (linear warmup + cosine decay)");
-  s.add("train.eval_every", int64_t{0}, "steps between evaluations; 0 = never");
-  s.add("train.checkpoint_every", int64_t{0},
+  s.add("train.eval_every", d.eval_every, "steps between evaluations; 0 = never");
+  s.add("train.checkpoint_every", d.checkpoint_every,
         "steps between async checkpoints; 0 = only at the end");
-  s.add("train.keep_last", 3, "committed checkpoints kept");
-  s.add("train.snapshot_every", int64_t{1},
+  s.add("train.keep_last", d.keep_last, "committed checkpoints kept");
+  s.add("train.snapshot_every", d.snapshot_every,
         "steps between in-memory snapshots under `loom run` (skipped while one is still being "
         "written); 0 = none");
   s.add("train.checkpoint_copy", "auto",
@@ -96,16 +97,17 @@ ConfigSchema TrainOptions::schema() {
         "its own during the next forward and backward), optimizer_step (all of it just before "
         "the optimizer step) or auto (background when a core is left over by the ranks' compute)");
   s.add("train.on_non_finite", "stop", "stop (error naming the parameter) or skip the step");
-  s.add("train.log_every", int64_t{10}, "steps between metrics log lines (without a terminal)");
-  s.add("train.resume", true, "resume from the newest committed checkpoint in <run.dir>/ckpt");
-  s.add("train.resume_strict", true,
+  s.add("train.log_every", d.log_every, "steps between metrics log lines (without a terminal)");
+  s.add("train.resume", d.resume, "resume from the newest committed checkpoint in <run.dir>/ckpt");
+  s.add("train.resume_strict", d.resume_strict,
         "resuming, a saved tensor or blob the model does not have is an error (false: warn)");
-  s.add("train.loss_scaling", false,
+  s.add("train.loss_scaling", d.loss_scaling.enabled,
         "dynamic loss scaling (for fp16 parameters): skip and halve on overflow");
-  s.add("train.loss_scale", 65536.0, "initial loss scale (with train.loss_scaling)");
-  s.add("train.loss_scale_growth_interval", int64_t{2000},
+  s.add("train.loss_scale", d.loss_scaling.init_scale,
+        "initial loss scale (with train.loss_scaling)");
+  s.add("train.loss_scale_growth_interval", d.loss_scaling.growth_interval,
         "steps without overflow before the loss scale doubles");
-  s.add("train.init_from", "",
+  s.add("train.init_from", d.init_from,
         "with nothing to resume: a checkpoint directory (e.g. from `loom ckpt import`) whose "
         "newest step's model weights start the run");
   return s;

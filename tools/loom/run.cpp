@@ -15,6 +15,11 @@
 namespace loom::cli {
 namespace {
 
+double seconds_of(std::chrono::milliseconds d) { return static_cast<double>(d.count()) / 1000; }
+
+// `loom run`'s defaults are the agent's (control/agent.h), stated there once.
+const control::AgentOptions kAgentDefaults;
+
 struct RunArgs {
   std::string nnodes = "1";
   int nproc_per_node = -1;  // not given: $SLURM_NTASKS_PER_NODE or 1
@@ -23,15 +28,15 @@ struct RunArgs {
   bool coordinator_public = false;
   int max_restarts = 0;
   bool standalone = false;
-  std::string run_id = "none";
-  std::string run_dir = "runs/loom-run";
-  std::string snapshot_root = "/dev/shm/loom";
+  std::string run_id = kAgentDefaults.run_id;
+  std::string run_dir = kAgentDefaults.run_dir.string();
+  std::string snapshot_root = kAgentDefaults.snapshot_root.string();
   bool no_snapshots = false;
-  double grace_s = 10;
-  double rendezvous_timeout_s = 120;
-  double node_timeout_s = 5;
-  double worker_timeout_s = 60;
-  double last_call_s = 2;
+  double grace_s = seconds_of(kAgentDefaults.grace);
+  double rendezvous_timeout_s = seconds_of(kAgentDefaults.rendezvous_timeout);
+  double node_timeout_s = seconds_of(kAgentDefaults.node_timeout);
+  double worker_timeout_s = seconds_of(kAgentDefaults.worker_timeout);
+  double last_call_s = seconds_of(kAgentDefaults.last_call);
   std::string tls_cert, tls_key, tls_ca;
   std::vector<std::string> program;
 };

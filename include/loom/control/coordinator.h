@@ -15,6 +15,12 @@
 
 namespace loom::control {
 
+// The job's timing defaults, stated once: the coordinator, its membership state machine,
+// `loom run`'s agents and its flags all start from these.
+inline constexpr std::chrono::milliseconds kDefaultLastCall{std::chrono::seconds(2)};
+inline constexpr std::chrono::milliseconds kDefaultNodeTimeout{std::chrono::seconds(5)};
+inline constexpr std::chrono::milliseconds kDefaultWorkerTimeout{std::chrono::seconds(60)};
+
 struct CoordinatorOptions {
   // host:port to listen on; port 0 picks a free port (address() says which).
   std::string address = "127.0.0.1:0";
@@ -28,15 +34,15 @@ struct CoordinatorOptions {
   TlsFiles tls;
   int min_nodes = 1;  // a rendezvous round closes once this many agents joined and ...
   int max_nodes = 1;  // ... this many joined, or last_call passed since min_nodes was reached
-  std::chrono::milliseconds last_call{std::chrono::seconds(2)};
+  std::chrono::milliseconds last_call = kDefaultLastCall;
   // Generations ended by a failure (a worker exited with an error, died or went silent)
   // beyond this many fail the job. A node lost or added does not count.
   int max_restarts = 0;
   // An agent silent this long is lost: its generation ends and the others re-rendezvous.
-  std::chrono::milliseconds node_timeout{std::chrono::seconds(5)};
+  std::chrono::milliseconds node_timeout = kDefaultNodeTimeout;
   // A worker that has sent a heartbeat in this generation and then stays silent this long is
   // dead or hung: its generation ends (as a failure).
-  std::chrono::milliseconds worker_timeout{std::chrono::seconds(30)};
+  std::chrono::milliseconds worker_timeout = kDefaultWorkerTimeout;
   // Where it logs generations, failures and refused calls; null = spdlog's default logger.
   std::shared_ptr<spdlog::logger> log;
 };
