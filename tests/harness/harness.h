@@ -29,6 +29,19 @@
 
 namespace loom::testing {
 
+// Whether this build runs under a sanitizer (tools/run-tests.sh --sanitize=...): the few tests
+// that measure the allocator or wall time skip there, saying why.
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kAddressSanitizer = true;
+#else
+inline constexpr bool kAddressSanitizer = false;
+#endif
+#if defined(__SANITIZE_THREAD__)
+inline constexpr bool kThreadSanitizer = true;
+#else
+inline constexpr bool kThreadSanitizer = false;
+#endif
+
 // A fresh directory under $TMPDIR (or /tmp), removed with its contents on destruction.
 class TempDir {
  public:
