@@ -92,6 +92,8 @@ Topology Topology::from_env() {
   t.job_token = env_str("LOOM_JOB_TOKEN");
   t.tls = {env_str("LOOM_TLS_CERT"), env_str("LOOM_TLS_KEY"), env_str("LOOM_TLS_CA")};
   t.snapshot_dir = env_str("LOOM_SNAPSHOT_DIR");
+  t.store_dir = env_str("LOOM_STORE_DIR");
+  t.advertise_addr = env_str("LOOM_ADVERTISE_ADDR");
   if (t.coordinator.empty() && !env_str("MASTER_ADDR").empty()) {
     std::string port = env_str("MASTER_PORT");
     LOOM_CHECK(!port.empty(), InvalidArgument, "MASTER_ADDR is set but MASTER_PORT is not");
@@ -121,7 +123,11 @@ struct Runtime::Impl {
   int threads = 1;
   std::unique_ptr<control::Heartbeat> heartbeat;  // under `loom run` only
 
-  // Created on first use (or attached at init); protected by mutex.
+  // Created on first use (or attached at init), one at a time under create_mutex (a group's
+  // creation connects to every peer, for up to minutes); the pointers are read and set under
+  // mutex, which is never held while connecting, so that the heartbeat thread's dump_flight
+  // does not wait for a connection.
+  std::mutex create_mutex;
   std::mutex mutex;
   std::unique_ptr<comm::Store> base_store;
   std::unique_ptr<comm::Store> owned_store;
@@ -283,17 +289,17 @@ int run_main(int argc, const char* const* argv, const ConfigSchema& program_keys
 
 comm::Store& Runtime::store() const {
   Impl& impl = *impl_;
-  std::lock_guard<std::mutex> lock(impl.mutex);
+  std::lock_guard<std::mutex> create(impl.create_mutex);
+  std::lock_guard<std::mutex> lock(impl.mutex);  // creating a store connects to nothing
   if (impl.store != nullptr) return *impl.store;
   const Topology& t = impl.topology;
-  const std::string store_dir = env_str("LOOM_STORE_DIR");
   if (t.generation > 0 && !t.coordinator.empty()) {
     impl.base_store = std::make_unique<control::CoordinatorStore>(t.coordinator, t.job_token,
                                                                   std::chrono::seconds(60), t.tls);
     impl.owned_store =
         std::make_unique<comm::PrefixStore>(detail::concat("gen", t.generation), *impl.base_store);
-  } else if (!store_dir.empty()) {
-    impl.owned_store = std::make_unique<comm::FileStore>(store_dir);
+  } else if (!t.store_dir.empty()) {
+    impl.owned_store = std::make_unique<comm::FileStore>(t.store_dir);
   } else {
     LOOM_CHECK(t.world_size == 1, InvalidArgument, "rank ", t.rank, " of ", t.world_size,
                " has no rendezvous store: start multi-process jobs with `loom run` (or set "
@@ -307,17 +313,17 @@ comm::Store& Runtime::store() const {
 namespace {
 
 // A Gloo group of all ranks; `loom run` tells each worker the address its node reaches the
-// other nodes by.
+// other nodes by (Topology::advertise_addr).
 std::unique_ptr<comm::Group> new_gloo_world(comm::Store& store, const Topology& t,
                                             const std::string& name,
                                             const std::filesystem::path& flight_dir,
                                             bool shared_memory) {
-  const std::string advertise = env_str("LOOM_ADVERTISE_ADDR");
-  return comm::new_gloo_group(store, t.rank, t.world_size,
-                              {.hostname = advertise.empty() ? "127.0.0.1" : advertise,
-                               .flight_dump_dir = flight_dir,
-                               .name = name,
-                               .shared_memory = shared_memory});
+  return comm::new_gloo_group(
+      store, t.rank, t.world_size,
+      {.hostname = t.advertise_addr.empty() ? "127.0.0.1" : t.advertise_addr,
+       .flight_dump_dir = flight_dir,
+       .name = name,
+       .shared_memory = shared_memory});
 }
 
 }  // namespace
@@ -325,45 +331,61 @@ std::unique_ptr<comm::Group> new_gloo_world(comm::Store& store, const Topology& 
 parallel::DeviceMesh& Runtime::mesh() const {
   comm::Group& world = world_group();
   Impl& impl = *impl_;
+  std::lock_guard<std::mutex> create(impl.create_mutex);
+  {
+    std::lock_guard<std::mutex> lock(impl.mutex);
+    if (impl.mesh) return *impl.mesh;
+  }
+  std::unique_ptr<parallel::DeviceMesh> mesh = parallel::mesh_from(world, impl.config);
   std::lock_guard<std::mutex> lock(impl.mutex);
-  if (!impl.mesh) impl.mesh = parallel::mesh_from(world, impl.config);
+  impl.mesh = std::move(mesh);
   return *impl.mesh;
 }
 
 comm::Group& Runtime::world_group() const {
   comm::Store& s = store();
   Impl& impl = *impl_;
-  std::lock_guard<std::mutex> lock(impl.mutex);
-  if (!impl.world_group) {
-    const Topology& t = impl.topology;
-    if (impl.device.is_cuda()) {
-      impl.world_group = comm::new_nccl_group(
-          s, t.rank, t.world_size,
-          {.device = impl.device.index(), .flight_dump_dir = impl.flight_dir(false)});
-    } else {
-      impl.world_group = new_gloo_world(s, t, "world", impl.flight_dir(false),
-                                        impl.config.get<bool>("comm.shared_memory"));
-      if (t.world_size > 1) {
-        impl.logger->info("world group: {} ranks, gloo over {}", t.world_size,
-                          comm::gloo_transport(*impl.world_group));
-      }
+  std::lock_guard<std::mutex> create(impl.create_mutex);
+  {
+    std::lock_guard<std::mutex> lock(impl.mutex);
+    if (impl.world_group) return *impl.world_group;
+  }
+  const Topology& t = impl.topology;
+  std::unique_ptr<comm::Group> group;
+  if (impl.device.is_cuda()) {
+    group = comm::new_nccl_group(
+        s, t.rank, t.world_size,
+        {.device = impl.device.index(), .flight_dump_dir = impl.flight_dir(false)});
+  } else {
+    group = new_gloo_world(s, t, "world", impl.flight_dir(false),
+                           impl.config.get<bool>("comm.shared_memory"));
+    if (t.world_size > 1) {
+      impl.logger->info("world group: {} ranks, gloo over {}", t.world_size,
+                        comm::gloo_transport(*group));
     }
   }
+  std::lock_guard<std::mutex> lock(impl.mutex);
+  impl.world_group = std::move(group);
   return *impl.world_group;
 }
 
 comm::Group& Runtime::control_group() const {
   comm::Store& s = store();
   Impl& impl = *impl_;
-  std::lock_guard<std::mutex> lock(impl.mutex);
-  if (!impl.control_group) {
-    // A second Gloo group even on the CPU, where world_group is Gloo too: control scalars then
-    // never wait behind gradient buckets queued on the world group's worker, and the CPU runs
-    // the same group layout (and the same tests) as a GPU job. It costs one more connection
-    // per peer and two threads per rank.
-    impl.control_group = new_gloo_world(s, impl.topology, "control", impl.flight_dir(true),
-                                        impl.config.get<bool>("comm.shared_memory"));
+  std::lock_guard<std::mutex> create(impl.create_mutex);
+  {
+    std::lock_guard<std::mutex> lock(impl.mutex);
+    if (impl.control_group) return *impl.control_group;
   }
+  // A second Gloo group even on the CPU, where world_group is Gloo too: control scalars then
+  // never wait behind gradient buckets queued on the world group's worker, and the CPU runs
+  // the same group layout (and the same tests) as a GPU job. It costs one more connection
+  // per peer and two threads per rank.
+  std::unique_ptr<comm::Group> group =
+      new_gloo_world(s, impl.topology, "control", impl.flight_dir(true),
+                     impl.config.get<bool>("comm.shared_memory"));
+  std::lock_guard<std::mutex> lock(impl.mutex);
+  impl.control_group = std::move(group);
   return *impl.control_group;
 }
 

@@ -61,7 +61,14 @@ struct Topology {
   // the job's in-memory snapshots; it outlives the worker processes, not the agent. Empty when
   // not under `loom run` (or started with --snapshots=off): train::Trainer then takes none.
   std::filesystem::path snapshot_dir;
+  // LOOM_STORE_DIR: a directory every rank shares, for the rendezvous store of a job started
+  // without `loom run` (a FileStore); empty: the coordinator's store, or none at world size 1.
+  std::filesystem::path store_dir;
+  // LOOM_ADVERTISE_ADDR: the address the other nodes reach this one by, which `loom run` sets;
+  // empty: 127.0.0.1 (one node).
+  std::string advertise_addr;
 
+  // Every field from the environment, read once here: Runtime reads none later.
   static Topology from_env();
   void validate() const;
 };

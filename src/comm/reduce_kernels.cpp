@@ -4,6 +4,15 @@
 #include <algorithm>
 #include <cstdint>
 
+// AVX2 and generic clones, picked at load time by an IFUNC resolver. Not under ThreadSanitizer:
+// the resolver runs while the dynamic loader relocates libloom, before TSan's runtime starts,
+// and the instrumentation the compiler puts in it crashes there.
+#if defined(__SANITIZE_THREAD__)
+#define LOOM_SIMD_CLONES
+#else
+#define LOOM_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+
 namespace loom::comm {
 namespace {
 
@@ -27,16 +36,13 @@ struct Max {
 };
 
 template <typename Op, typename T>
-__attribute__((target_clones("avx2", "default"))) void accumulate(T* __restrict__ c,
-                                                                  const T* __restrict__ b,
-                                                                  size_t n) {
+LOOM_SIMD_CLONES void accumulate(T* __restrict__ c, const T* __restrict__ b, size_t n) {
   for (size_t i = 0; i < n; ++i) c[i] = Op::apply(c[i], b[i]);
 }
 
 template <typename Op, typename T>
-__attribute__((target_clones("avx2", "default"))) void combine(T* __restrict__ c,
-                                                               const T* __restrict__ a,
-                                                               const T* __restrict__ b, size_t n) {
+LOOM_SIMD_CLONES void combine(T* __restrict__ c, const T* __restrict__ a, const T* __restrict__ b,
+                              size_t n) {
   for (size_t i = 0; i < n; ++i) c[i] = Op::apply(a[i], b[i]);
 }
 

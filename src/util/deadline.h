@@ -24,8 +24,9 @@ inline bool expired(SteadyClock::time_point deadline) { return SteadyClock::now(
 // still ends once the deadline has passed, and never receives 0, which Gloo reads as "no
 // timeout". Loops decide with expired(), not with this.
 inline std::chrono::milliseconds time_left(SteadyClock::time_point deadline) {
-  return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                    deadline - SteadyClock::now()));
+  return std::max(
+      std::chrono::milliseconds(1),
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - SteadyClock::now()));
 }
 
 }  // namespace loom::util
