@@ -17,9 +17,11 @@ export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_fi
 # Line tables only (backtraces, profilers): full debug info (-g) makes every file that includes
 # torch about 40% slower to compile here. LOOM_DEBUG_FLAGS=-g for a debugging build.
 debug_flags=${LOOM_DEBUG_FLAGS:--g1}
+# -O1 for the sanitizer builds (tools/sanitize.sh): faster to compile, still fast enough to run.
+opt_flags=${LOOM_OPT_FLAGS:--O2}
 
 start=$(date +%s)
-cmake -S . -B "$build_dir" -G Ninja "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 $debug_flags -DNDEBUG" \
+cmake -S . -B "$build_dir" -G Ninja "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=$opt_flags $debug_flags -DNDEBUG" \
   "$@" > "$build_dir.configure.log" 2>&1 ||
   { cat "$build_dir.configure.log"; echo "build.sh: cmake configure failed" >&2; exit 1; }
 # shellcheck disable=SC2086

@@ -55,7 +55,7 @@ command -v clang++ > /dev/null || { echo "tools/fuzz.sh: clang++ is missing: too
 
 out=build-fuzz
 # Leaks inside third-party libraries that Loom cannot fix, each explained in the file.
-export LSAN_OPTIONS="suppressions=$PWD/tests/fuzz/lsan.supp:print_suppressions=0"
+export LSAN_OPTIONS="suppressions=$PWD/tests/sanitizers/lsan.supp:print_suppressions=0"
 mkdir -p "$out/obj" "$out/corpus/$target" "$out/crashes"
 sanitize="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
 # toml++ header-only, so that the TOML parser itself is instrumented too.

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Quick start, command two: installs what is missing (apt), builds Loom and runs every test.
-#   tools/run-tests.sh              all tests (unit, integration, slow)
+#   tools/run-tests.sh              all tests (unit, integration, slow), then the sanitizers
+#                                   and the fuzzers
 #   tools/run-tests.sh -LE slow     ctest arguments pass through (here: skip the slow ones)
-# With no arguments, every fuzzer then runs for $LOOM_FUZZ_SECONDS (30; 0 skips them).
+#   tools/run-tests.sh --sanitize=address,undefined   only the unit tests under ASan + UBSan
+#   tools/run-tests.sh --sanitize=thread              only the multi-threaded ones under TSan
+# With no arguments, the unit tests then run under each sanitizer in $LOOM_SANITIZERS
+# ("address,undefined thread"; "none" skips them; tools/sanitize.sh), and every fuzzer for
+# $LOOM_FUZZ_SECONDS (30; 0 skips them).
 # Where nvcc exists (/usr/local/cuda) the CUDA configuration (LOOM_WITH_CUDA=ON) is built
 # too; its GPU tests run where a GPU is visible.
 set -euo pipefail
@@ -10,6 +15,11 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 
 tools/install-deps.sh
+
+if [[ ${1:-} == --sanitize=* ]]; then
+  [[ $# -eq 1 ]] || { echo "run-tests: --sanitize=MODE takes no other arguments" >&2; exit 2; }
+  exec tools/sanitize.sh "${1#--sanitize=}"
+fi
 
 echo "run-tests: building the CPU configuration (LOOM_WITH_CUDA=OFF)"
 tools/build.sh -DLOOM_WITH_CUDA=OFF
@@ -29,6 +39,14 @@ fi
 
 echo "run-tests: built in $(( $(date +%s) - start )) s; running ctest"
 ctest --test-dir build --output-on-failure --timeout 600 -j "$(nproc)" "$@"
+# The unit tests under each sanitizer, when every test ran (no ctest arguments given).
+if [ $# -eq 0 ]; then
+  for mode in ${LOOM_SANITIZERS:-address,undefined thread}; do
+    [ "$mode" = none ] && continue
+    echo "run-tests: the unit tests under -fsanitize=$mode (tools/sanitize.sh)"
+    tools/sanitize.sh "$mode"
+  done
+fi
 # The fuzzers, each for LOOM_FUZZ_SECONDS (30; 0 skips them), when every test ran (no ctest
 # arguments given), with a fixed seed (LOOM_FUZZ_SEED, 1) so that a failure reproduces; fuzz
 # longer with random seeds by hand (tools/fuzz.sh TARGET SECONDS).

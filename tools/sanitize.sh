@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Loom's unit tests under sanitizers, each sanitizer in a build directory of its own (Loom's
+# code instrumented; libtorch, Gloo and gRPC as Debian ships them):
+#
+#   tools/sanitize.sh address,undefined   ASan + UBSan (build-asan): every unit test binary
+#   tools/sanitize.sh thread              TSan (build-tsan): the multi-threaded areas' binaries
+#                                         (collectives, checkpoint writer and I/O queue, reader
+#                                         prefetch and remote cache, heartbeat and coordinator,
+#                                         subprocesses)
+#
+# Each test binary runs once, all its tests in one process (under ctest each test would pay
+# the sanitizer's start-up with libtorch again: 5 minutes instead of 1). A report, a leak at
+# exit (LeakSanitizer, with ASan) or a failed test fails the run; its log is printed. The
+# suppressions (tests/sanitizers/) are for third-party code only, each saying why.
+# tools/run-tests.sh calls this for both after the tests (LOOM_SANITIZERS=none skips it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {
+  echo "usage: tools/sanitize.sh address,undefined|thread" >&2
+  exit 2
+}
+[[ $# -eq 1 ]] || usage
+mode=$1
+case $mode in
+  address,undefined)
+    dir=build-asan
+    areas=(core util data ckpt comm control metrics train parallel kernels)
+    ;;
+  thread)
+    dir=build-tsan
+    areas=(util comm ckpt data control)
+    ;;
+  *) usage ;;
+esac
+targets=()
+for a in "${areas[@]}"; do targets+=("loom_${a}_tests"); done
+
+start=$(date +%s)
+echo "sanitize.sh: building ${targets[*]} with -fsanitize=$mode into $dir"
+LOOM_BUILD_DIR=$dir LOOM_OPT_FLAGS=-O1 LOOM_TARGETS="${targets[*]}" tools/build.sh \
+  -DLOOM_WITH_CUDA=OFF -DLOOM_SANITIZE="$mode" -DLOOM_BUILD_BENCHMARKS=OFF \
+  -DLOOM_BUILD_EXAMPLES=OFF
+
+supp=$PWD/tests/sanitizers
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:print_suppressions=0"
+export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp:print_suppressions=0"
+
+mkdir -p "$dir/logs"
+failed=()
+for a in "${areas[@]}"; do
+  binary=$dir/tests/loom_${a}_tests
+  log=$dir/logs/loom_${a}_tests.log
+  t0=$(date +%s)
+  if "$binary" --gtest_brief=1 > "$log" 2>&1; then
+    echo "sanitize.sh: $mode: loom_${a}_tests passed in $(( $(date +%s) - t0 )) s"
+  else
+    tail -80 "$log"
+    echo "sanitize.sh: $mode: loom_${a}_tests FAILED (whole log: $log)" >&2
+    failed+=("loom_${a}_tests")
+  fi
+done
+if [[ ${#failed[@]} -gt 0 ]]; then
+  echo "sanitize.sh: $mode: failed: ${failed[*]}" >&2
+  exit 1
+fi
+echo "sanitize.sh: $mode: every binary passed, $(( $(date +%s) - start )) s in all"
