@@ -464,8 +464,7 @@ bool run_ranks(const Settings& s, const std::string& self, const std::filesystem
   std::filesystem::create_directories(dir);
   std::vector<loom::util::Subprocess> children;
   for (int r = 0; r < s.ranks; ++r) {
-    loom::util::SubprocessOptions options{.argv = worker_argv(s, self, r, dir),
-                                          .env = {{"LOOM_STORE_DIR", (dir / "store").string()}}};
+    loom::util::SubprocessOptions options{.argv = worker_argv(s, self, r, dir)};
     if (r != 0) options.output = dir / loom::detail::concat("rank_", r, ".log");
     children.push_back(loom::util::Subprocess::spawn(options));
   }
@@ -590,7 +589,8 @@ loom::Runtime trainer_runtime(const Settings& s) {
   return loom::Runtime::init(config, {.rank = s.worker_rank,
                                       .world_size = s.ranks,
                                       .local_rank = s.worker_rank,
-                                      .local_world_size = s.ranks});
+                                      .local_world_size = s.ranks,
+                                      .store_dir = std::filesystem::path(s.store_dir) / "store"});
 }
 
 std::unique_ptr<loom::parallel::DataParallel> make_data_parallel(std::shared_ptr<Gpt> model,
