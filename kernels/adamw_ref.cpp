@@ -10,7 +10,7 @@ namespace loom::kernels {
 
 AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
                            int64_t step) {
-  // The same expressions as src/parallel/optim.cpp (and torch::optim::AdamW 1.13).
+  // The same expressions as src/optim/flat_optimizer.cpp (and torch::optim::AdamW 1.13).
   const double bias_correction1 = 1 - std::pow(beta1, static_cast<double>(step));
   const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(step));
   const double step_size = lr / bias_correction1;

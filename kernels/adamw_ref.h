@@ -1,6 +1,6 @@
 // The fused multi-tensor AdamW step: its scalars, its tensors and its CPU reference. The
 // CUDA kernel (adamw.h) and the reference compute the same float operations in the same order,
-// which are the ones Loom's flat AdamW (src/parallel/optim.cpp) runs through ATen on the CPU,
+// which are the ones Loom's flat AdamW (src/optim/flat_optimizer.cpp) runs through ATen on the CPU,
 // so all three agree bit for bit (ATen's AVX2/AVX-512 kernels fuse `a + alpha * b` and
 // `a + s * b * c` into one fused multiply-add; the reference and the kernel fuse the same two).
 // Compiled in every build; no CUDA header.
@@ -24,7 +24,8 @@ struct AdamWScalars {
   float neg_step_size = 0;          // -lr / (1 - beta1^step): params += neg_step * m / denom
 };
 
-// The scalars of step `step` (from 1) for these hyperparameters, as optim.cpp derives them.
+// The scalars of step `step` (from 1) for these hyperparameters, as flat_optimizer.cpp derives
+// them.
 AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
                            int64_t step);
 

@@ -21,7 +21,7 @@
 #include "loom/ckpt/state.h"
 #include "loom/error.h"
 #include "loom/metrics/allocations.h"
-#include "parallel/sum_of_squares.h"
+#include "optim/sum_of_squares.h"
 #include "util/deadline.h"
 #include "util/dtype.h"
 

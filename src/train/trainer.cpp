@@ -24,7 +24,7 @@
 #include "loom/error.h"
 #include "loom/metrics/flops.h"
 #include "loom/metrics/logger.h"
-#include "loom/parallel/optim.h"
+#include "loom/optim/flat_optimizer.h"
 #include "loom/parallel/strategy.h"
 #include "loom/runtime.h"
 

@@ -1,11 +1,11 @@
 // Loom's flat AdamW and sum of squares on CUDA tensors (the fused kernels through
-// src/parallel/device_kernels) against the same calls on the CPU. Skipped where libtorch has no
+// src/optim/device_kernels) against the same calls on the CPU. Skipped where libtorch has no
 // CUDA or no GPU is visible.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "loom/parallel/optim.h"
-#include "parallel/sum_of_squares.h"
+#include "loom/optim/flat_optimizer.h"
+#include "optim/sum_of_squares.h"
 
 namespace loom::optim {
 namespace {

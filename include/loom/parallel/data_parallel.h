@@ -44,7 +44,7 @@
 
 #include "loom/comm/group.h"
 #include "loom/config.h"
-#include "loom/parallel/optim.h"
+#include "loom/optim/flat_optimizer.h"
 #include "loom/parallel/strategy.h"
 #include "loom/parallel/zero.h"
 

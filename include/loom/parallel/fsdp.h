@@ -49,7 +49,7 @@
 
 #include "loom/comm/group.h"
 #include "loom/config.h"
-#include "loom/parallel/optim.h"
+#include "loom/optim/flat_optimizer.h"
 #include "loom/parallel/strategy.h"
 
 namespace loom::ckpt {

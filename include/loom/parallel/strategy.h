@@ -21,7 +21,7 @@
 
 #include "loom/comm/group.h"
 #include "loom/config.h"
-#include "loom/parallel/optim.h"
+#include "loom/optim/flat_optimizer.h"
 
 namespace torch::nn {
 class Module;

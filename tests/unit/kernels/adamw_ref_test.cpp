@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "loom/parallel/optim.h"
+#include "loom/optim/flat_optimizer.h"
 #include "scale_ref.h"
 
 namespace loom::kernels {

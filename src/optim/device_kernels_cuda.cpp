@@ -1,6 +1,6 @@
 // device_kernels.h with CUDA: checks the tensors and launches kernels/adamw.cu and
 // kernels/sum_squares.cu on torch's current stream of the tensors' device.
-#include "parallel/device_kernels.h"
+#include "optim/device_kernels.h"
 
 #include <ATen/ATen.h>
 

@@ -1,7 +1,8 @@
-// The fused CUDA kernels of kernels/ (AdamW, sum of squares) on CUDA tensors, for optim.cpp.
-// CUDA builds compile device_kernels_cuda.cpp; others device_kernels_none.cpp, whose functions
-// throw (such a build has no CUDA tensors, so optim.cpp never calls them there). Both run on
-// torch's current CUDA stream of the tensors' device and never synchronise the host.
+// The fused CUDA kernels of kernels/ (AdamW, sum of squares) on CUDA tensors, for
+// flat_optimizer.cpp. CUDA builds compile device_kernels_cuda.cpp; others device_kernels_none.cpp,
+// whose functions throw (such a build has no CUDA tensors, so flat_optimizer.cpp never calls them
+// there). Both run on torch's current CUDA stream of the tensors' device and never synchronise the
+// host.
 #pragma once
 
 #include <ATen/core/Tensor.h>

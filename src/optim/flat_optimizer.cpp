@@ -1,17 +1,17 @@
 // AdamW and SGD on flat buffers, mirroring libtorch 1.13's torch/csrc/api/src/optim/adamw.cpp
 // and sgd.cpp statement by statement (the same ATen calls with the same scalars), so results
 // match torch::optim bit for bit on the same inputs. On CUDA tensors AdamW runs the fused kernel
-// (kernels/adamw.cu, through parallel/device_kernels.h), which computes the same float
+// (kernels/adamw.cu, through optim/device_kernels.h), which computes the same float
 // operations as the CPU path.
-#include "loom/parallel/optim.h"
+#include "loom/optim/flat_optimizer.h"
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 
 #include "loom/error.h"
-#include "parallel/device_kernels.h"
-#include "parallel/sum_of_squares.h"
+#include "optim/device_kernels.h"
+#include "optim/sum_of_squares.h"
 
 namespace loom::optim {
 

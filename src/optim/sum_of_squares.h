@@ -1,5 +1,6 @@
 // The sum of squares of many tensors (the squared global gradient norm before the all-reduce),
-// private to src/parallel/ (defined in optim.cpp). DataParallel's clipping calls it per rank.
+// private to Loom (defined in flat_optimizer.cpp). The wrappers' gradient clipping calls it per
+// rank.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,5 +1,5 @@
 // device_kernels.h without CUDA: such a build has no CUDA tensors, so nothing calls these.
-#include "parallel/device_kernels.h"
+#include "optim/device_kernels.h"
 
 #include "loom/error.h"
 

@@ -1,12 +1,12 @@
 // Loom's flat AdamW and SGD against torch::optim::AdamW / SGD on the same tensors: bitwise.
 
-#include "loom/parallel/optim.h"
+#include "loom/optim/flat_optimizer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "loom/error.h"
-#include "parallel/sum_of_squares.h"
+#include "optim/sum_of_squares.h"
 
 namespace loom::optim {
 namespace {
