@@ -16,13 +16,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# target -> the source file of the parser it exercises
+# target -> the source files of the parser it exercises (space-separated)
 declare -A parser=(
   [config]=src/config.cpp
   [dataset_manifest]=src/data/manifest.cpp
   [ckpt_manifest]=src/ckpt/manifest.cpp
   [record]=src/data/shard_format.cpp
-  [flight_dump]=src/comm/flight_recorder.cpp
+  [flight_dump]="src/comm/flight_recorder.cpp tools/loom/flight_diff.cpp"
   [token_shard]=src/data/shard_format.cpp
   [record_shard]=src/data/shard_format.cpp
   [safetensors]=src/ckpt/safetensors.cpp
@@ -60,19 +60,26 @@ mkdir -p "$out/obj" "$out/corpus/$target" "$out/crashes"
 sanitize="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
 # toml++ header-only, so that the TOML parser itself is instrumented too.
 flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -D_GLIBCXX_USE_CXX11_ABI=1 -DTOML_HEADER_ONLY=1
-  -DLOOM_VERSION=\"fuzz\" -Iinclude -Isrc -Itests/fuzz -I"$build/src/proto"
+  -DLOOM_VERSION=\"fuzz\" -Iinclude -Isrc -Itests/fuzz -Itools/loom -I"$build/src/proto"
   -isystem /usr/include/torch/csrc/api/include
   -Wall -Wno-unused-parameter)
 binary=$out/fuzz_$target
 source=tests/fuzz/$target.cpp
-if [[ ! -x $binary || $binary -ot $source || $binary -ot ${parser[$target]} || $binary -ot $lib ||
-  $binary -ot tests/fuzz/fuzz.h ]]; then
+read -r -a parser_sources <<< "${parser[$target]}"
+stale=false
+for f in "$source" "${parser_sources[@]}" "$lib" tests/fuzz/fuzz.h; do
+  if [[ ! -x $binary || $binary -ot $f ]]; then stale=true; fi
+done
+if $stale; then
   echo "tools/fuzz.sh: building $binary"
+  objects=()
+  for f in "${parser_sources[@]}"; do
+    objects+=("$out/obj/$target.$(basename "$f" .cpp).o")
+    # shellcheck disable=SC2086
+    clang++ "${flags[@]}" $sanitize -fsanitize=fuzzer-no-link -c "$f" -o "${objects[-1]}"
+  done
   # shellcheck disable=SC2086
-  clang++ "${flags[@]}" $sanitize -fsanitize=fuzzer-no-link -c "${parser[$target]}" \
-    -o "$out/obj/$target.parser.o"
-  # shellcheck disable=SC2086
-  clang++ "${flags[@]}" $sanitize -fsanitize=fuzzer "$source" "$out/obj/$target.parser.o" \
+  clang++ "${flags[@]}" $sanitize -fsanitize=fuzzer "$source" "${objects[@]}" \
     "$lib" -Wl,-rpath,"$(realpath "$build/src")" -ltorch_cpu -lc10 -lprotobuf -pthread \
     -o "$binary"
 fi

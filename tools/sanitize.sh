@@ -25,7 +25,7 @@ mode=$1
 case $mode in
   address,undefined)
     dir=build-asan
-    areas=(core util data ckpt comm control metrics train parallel kernels)
+    areas=(core util data ckpt comm control metrics optim train parallel kernels cli)
     ;;
   thread)
     dir=build-tsan

@@ -1,7 +1,8 @@
-// A flight-recorder dump as `loom flight diff` reads it: the fuzzer's bytes are rank 0's dump,
-// beside a well-formed dump of rank 1.
+// A flight-recorder dump as `loom flight diff` reads and compares it: the fuzzer's bytes are
+// rank 0's dump, beside a well-formed dump of rank 1.
 #include <string>
 
+#include "flight_diff.h"
 #include "fuzz.h"
 #include "loom/comm/flight_recorder.h"
 
@@ -20,6 +21,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }();
   (void)made;
   loom::fuzz::write_bytes(loom::comm::flight_dump_file(dir, 0), data, size);
-  loom::fuzz::refuses_cleanly([&] { (void)loom::comm::diff_flight_dumps(dir); });
+  loom::fuzz::refuses_cleanly([&] { (void)loom::cli::diff_flight_dumps(dir); });
   return 0;
 }

@@ -3,10 +3,9 @@
 #include <iostream>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "commands.h"
-#include "loom/comm/flight_recorder.h"
+#include "flight_diff.h"
 #include "loom/error.h"
 
 namespace loom::cli {
@@ -16,23 +15,10 @@ struct DiffArgs {
   std::string dir;
 };
 
-// "0-3, 5" for ascending ranks.
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string out;
-  for (size_t i = 0; i < ranks.size();) {
-    size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    out += (out.empty() ? "" : ", ") + std::to_string(ranks[i]);
-    if (j > i) out += (j == i + 1 ? ", " : "-") + std::to_string(ranks[j]);
-    i = j + 1;
-  }
-  return out;
-}
-
 int run_diff(const DiffArgs& args) {
-  comm::FlightDiff diff;
+  FlightDiff diff;
   try {
-    diff = comm::diff_flight_dumps(args.dir);
+    diff = diff_flight_dumps(args.dir);
   } catch (const Error& e) {  // a missing directory, a malformed dump, mixed groups
     std::cerr << "error: " << e.what() << "\n";
     return kExitBadInput;

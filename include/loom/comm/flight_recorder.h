@@ -61,7 +61,7 @@ class FlightRecorder {
   // docs/flight-recorder.md describes each field.
   std::string to_json(int rank, const std::string& group) const;
   // Writes to_json atomically to `file` (directories created). Failure is IoError naming the
-  // file. Use flight_dump_file() for the name so that diff_flight_dumps finds it.
+  // file. Use flight_dump_file() for the name so that read_flight_dumps finds it.
   void dump(const std::filesystem::path& file, int rank, const std::string& group) const;
 
  private:
@@ -75,28 +75,21 @@ class FlightRecorder {
   uint64_t next_sequence_ = 1;
 };
 
-// <dir>/rank_<rank>.json: where rank `rank` dumps its recorder, the name diff_flight_dumps reads.
+// <dir>/rank_<rank>.json: where rank `rank` dumps its recorder, the name read_flight_dumps reads.
 std::filesystem::path flight_dump_file(const std::filesystem::path& dir, int rank);
 
-// The verdict of comparing every rank's dump (rank_<r>.json files in one directory).
-struct FlightDiff {
-  bool diverged = false;
-  // The first sequence number where ranks disagree; when they agree, the last one every rank
-  // issued (0 when none issued any).
-  uint64_t sequence = 0;
-  // What differs: the op each rank issued there, the ranks that never issued it, or the ranks
-  // stuck in it; when nothing differs, the range that agrees. One line, for a human.
-  std::string description;
-  std::vector<int> ranks;  // the ranks whose dumps were compared, ascending
-  std::string group;       // the group the dumps are of
+// One rank's dump as read back.
+struct FlightDump {
+  int rank = 0;                      // from the file name, checked against the dump's "rank"
+  std::filesystem::path file;        // <dir>/rank_<rank>.json
+  std::string group;                 // the group the recorder belongs to
+  std::vector<FlightEntry> entries;  // oldest first, consecutive sequence numbers
 };
 
-// Reads every <dir>/rank_<r>.json (other files are ignored) and compares them. Only the
-// sequence range every buffer still holds is compared op by op; a rank whose last op precedes
-// another's is reported as never having issued the next one. A directory without dumps is
-// IoError; a malformed dump (bad JSON, missing field, non-consecutive sequence numbers, a
-// "rank" that does not match the file name) is CorruptData naming the file; dumps of
-// different groups are InvalidArgument.
-FlightDiff diff_flight_dumps(const std::filesystem::path& dir);
+// Reads every <dir>/rank_<r>.json (other files are ignored), ascending by rank: what `loom
+// flight diff` compares. A directory without dumps is IoError; a malformed dump (bad JSON, a
+// missing field, non-consecutive sequence numbers, a "rank" that does not match the file name)
+// is CorruptData naming the file; dumps of different groups are InvalidArgument.
+std::vector<FlightDump> read_flight_dumps(const std::filesystem::path& dir);
 
 }  // namespace loom::comm
