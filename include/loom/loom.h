@@ -2,6 +2,8 @@
 #pragma once
 
 #include "loom/ckpt/checkpointer.h"
+#include "loom/ckpt/export.h"
+#include "loom/ckpt/inspect.h"
 #include "loom/ckpt/state.h"
 #include "loom/comm/gloo.h"
 #include "loom/comm/group.h"

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/ckpt/inspect.h"
+
 namespace loom::ckpt {
 
 inline constexpr int kManifestVersion = 1;
@@ -93,14 +95,10 @@ Manifest read_manifest(const std::filesystem::path& step_dir);
 // some piece. Disagreement is InvalidArgument naming the tensor and the ranks.
 Manifest merge_reports(int64_t step, const std::vector<Manifest>& reports);
 
-// Steps under dir whose directory holds a manifest, ascending. A missing dir has none. Listing
-// and existence checks go through the storage (posix_storage() without one), so that its
-// faults reach them.
+// committed_steps and uncommitted_dirs (loom/ckpt/inspect.h) through a storage, so that its
+// faults reach the listing and existence checks; the public ones use posix_storage().
 std::vector<int64_t> committed_steps(Storage& storage, const std::filesystem::path& dir);
-std::vector<int64_t> committed_steps(const std::filesystem::path& dir);
-// Step directories under dir without a manifest (partial saves), as paths, ascending by step.
 std::vector<std::filesystem::path> uncommitted_dirs(Storage& storage,
                                                     const std::filesystem::path& dir);
-std::vector<std::filesystem::path> uncommitted_dirs(const std::filesystem::path& dir);
 
 }  // namespace loom::ckpt

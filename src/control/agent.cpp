@@ -1,6 +1,6 @@
 // The agent's loop: join a round, run the generation's workers, watch them and the
 // coordinator, stop and restart when the generation ends.
-#include "control/agent.h"
+#include "loom/control/agent.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

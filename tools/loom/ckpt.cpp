@@ -1,6 +1,7 @@
 // `loom ckpt ls|verify|show <dir> [step]`: list committed checkpoints, check every byte
 // against its hash, and print a step's tensors and metadata. `loom ckpt export|import`:
 // to and from torch.save and safetensors files (loom/ckpt/export.h).
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -8,11 +9,9 @@
 #include <optional>
 #include <string>
 
-#include "ckpt/manifest.h"
-#include "ckpt/reader.h"
-#include "ckpt/storage.h"
 #include "commands.h"
 #include "loom/ckpt/export.h"
+#include "loom/ckpt/inspect.h"
 #include "loom/error.h"
 
 namespace loom::cli {
@@ -45,16 +44,16 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 // The step asked for, or the newest committed one. InvalidArgument (exit 2) when none.
 int64_t resolve_step(const CkptArgs& args) {
   LOOM_CHECK(std::filesystem::is_directory(args.dir), InvalidArgument, "no directory ", args.dir);
-  if (args.step) {
-    const auto dir = std::filesystem::path(args.dir) / ckpt::step_dir_name(*args.step);
-    LOOM_CHECK(std::filesystem::exists(dir / ckpt::kManifestName), InvalidArgument, "step ",
-               *args.step, " is not a committed checkpoint in ", args.dir, " (no ",
-               (dir / ckpt::kManifestName).string(), ")");
-    return *args.step;
-  }
-  auto steps = ckpt::committed_steps(args.dir);
+  const auto steps = ckpt::committed_steps(args.dir);
   LOOM_CHECK(!steps.empty(), InvalidArgument, "no committed checkpoint in ", args.dir);
-  return steps.back();
+  if (!args.step) return steps.back();
+  if (std::find(steps.begin(), steps.end(), *args.step) == steps.end()) {
+    std::string committed;
+    for (int64_t step : steps) committed += (committed.empty() ? "" : ", ") + std::to_string(step);
+    throw InvalidArgument(detail::concat("step ", *args.step, " is not a committed checkpoint in ",
+                                         args.dir, " (committed steps: ", committed, ")"));
+  }
+  return *args.step;
 }
 
 int run_ls(const CkptArgs& args) {
@@ -62,15 +61,15 @@ int run_ls(const CkptArgs& args) {
   auto steps = ckpt::committed_steps(args.dir);
   std::printf("%-12s %12s %6s %8s  %s\n", "step", "size", "ranks", "tensors", "path");
   for (int64_t step : steps) {
-    const auto dir = std::filesystem::path(args.dir) / ckpt::step_dir_name(step);
     try {
-      ckpt::Manifest m = ckpt::read_manifest(dir);
+      const ckpt::StepSummary s = ckpt::describe_step(args.dir, step);
       std::printf("%-12lld %12s %6d %8zu  %s\n", static_cast<long long>(step),
-                  bytes_text(static_cast<double>(m.data_bytes())).c_str(), m.world_size,
-                  m.tensors.size(), dir.c_str());
+                  bytes_text(static_cast<double>(s.bytes)).c_str(), s.world_size, s.tensors.size(),
+                  s.path.c_str());
     } catch (const Error& e) {
       std::printf("%-12lld %12s %6s %8s  %s (unreadable manifest: %s)\n",
-                  static_cast<long long>(step), "?", "?", "?", dir.c_str(), e.what());
+                  static_cast<long long>(step), "?", "?", "?",
+                  ckpt::step_path(args.dir, step).c_str(), e.what());
     }
   }
   const auto partial = ckpt::uncommitted_dirs(args.dir);
@@ -86,13 +85,12 @@ int run_ls(const CkptArgs& args) {
 
 int run_verify(const CkptArgs& args) {
   const int64_t step = resolve_step(args);
-  const auto dir = std::filesystem::path(args.dir) / ckpt::step_dir_name(step);
   try {
-    ckpt::StepReader reader(ckpt::posix_storage(), dir, ckpt::read_manifest(dir));
-    const uint64_t bytes = reader.verify_all();
+    const ckpt::StepSummary s = ckpt::describe_step(args.dir, step);
+    const uint64_t bytes = ckpt::verify_step(args.dir, step);
     std::printf("step %lld: %zu tensors, %s in %zu files: every hash matches\n",
-                static_cast<long long>(step), reader.manifest().tensors.size(),
-                bytes_text(static_cast<double>(bytes)).c_str(), reader.manifest().files.size());
+                static_cast<long long>(step), s.tensors.size(),
+                bytes_text(static_cast<double>(bytes)).c_str(), s.files);
     return kExitOk;
   } catch (const CorruptData& e) {
     std::printf("CORRUPT: %s\n", e.what());
@@ -105,22 +103,20 @@ int run_verify(const CkptArgs& args) {
 
 int run_show(const CkptArgs& args) {
   const int64_t step = resolve_step(args);
-  const auto dir = std::filesystem::path(args.dir) / ckpt::step_dir_name(step);
-  ckpt::Manifest m = ckpt::read_manifest(dir);
+  const ckpt::StepSummary s = ckpt::describe_step(args.dir, step);
   std::printf("step %lld in %s: saved by %d rank%s, %s in %zu files\n",
-              static_cast<long long>(step), dir.c_str(), m.world_size, m.world_size == 1 ? "" : "s",
-              bytes_text(static_cast<double>(m.data_bytes())).c_str(), m.files.size());
+              static_cast<long long>(step), s.path.c_str(), s.world_size,
+              s.world_size == 1 ? "" : "s", bytes_text(static_cast<double>(s.bytes)).c_str(),
+              s.files);
   std::printf("\n%-40s %-9s %-20s %-10s %6s %12s\n", "tensor", "dtype", "shape", "saved as",
               "pieces", "size");
-  for (const auto& t : m.tensors) {
-    uint64_t bytes = 0;
-    for (const auto& p : t.pieces) bytes += p.bytes;
+  for (const auto& t : s.tensors) {
     std::printf("%-40s %-9s %-20s %-10s %6zu %12s\n", t.name.c_str(), t.dtype.c_str(),
-                shape_text(t.shape).c_str(), t.kind.c_str(), t.pieces.size(),
-                bytes_text(static_cast<double>(bytes)).c_str());
+                shape_text(t.shape).c_str(), t.kind.c_str(), t.pieces,
+                bytes_text(static_cast<double>(t.bytes)).c_str());
   }
-  if (!m.blobs.empty()) std::printf("\nmetadata:\n");
-  for (const auto& [name, text] : m.blobs)
+  if (!s.blobs.empty()) std::printf("\nmetadata:\n");
+  for (const auto& [name, text] : s.blobs)
     std::printf("%s = %s\n", name.c_str(), nlohmann::json::parse(text).dump().c_str());
   return kExitOk;
 }

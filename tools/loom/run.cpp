@@ -8,7 +8,7 @@
 #include <string>
 
 #include "commands.h"
-#include "control/agent.h"
+#include "loom/control/agent.h"
 #include "loom/control/coordinator.h"
 #include "loom/error.h"
 
@@ -17,7 +17,7 @@ namespace {
 
 double seconds_of(std::chrono::milliseconds d) { return static_cast<double>(d.count()) / 1000; }
 
-// `loom run`'s defaults are the agent's (control/agent.h), stated there once.
+// `loom run`'s defaults are the agent's (loom/control/agent.h), stated there once.
 const control::AgentOptions kAgentDefaults;
 
 struct RunArgs {

@@ -1,8 +1,9 @@
 // The launcher's agent: one per node. It rendezvouses with the other agents through the
 // coordinator (hosting it on node 0), spawns this node's workers with their environment,
 // relays their output with a rank prefix, heartbeats, and restarts the workers whenever the
-// coordinator ends their generation. `loom run` is a command line around run_agent().
-// Private to Loom (the `loom` tool and the tests use it); docs/launcher.md.
+// coordinator ends their generation. `loom run` is a command line around run_agent(); a
+// program may embed the launcher by calling it (as torchrun's elastic agent is a library).
+// docs/launcher.md.
 #pragma once
 
 #include <chrono>
