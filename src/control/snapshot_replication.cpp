@@ -18,6 +18,7 @@
 #include "loom/error.h"
 #include "util/fd.h"
 #include "util/files.h"
+#include "util/json.h"
 
 namespace loom::control {
 namespace {
@@ -124,9 +125,12 @@ struct SnapshotReplication::Impl {
     const json committed = manifests.empty() ? index() : fetch_index(manifests);
     int64_t newest = -1, manifest_bytes = -1;
     for (const json& s : committed.at("steps")) {
-      if (s.at("manifest").get<int64_t>() >= 0 && s.at("step").get<int64_t>() > newest) {
-        newest = s.at("step").get<int64_t>();
-        manifest_bytes = s.at("manifest").get<int64_t>();
+      const auto step = util::integer_field<int64_t>(s.at("step"), "step", "snapshot index");
+      const auto manifest =
+          util::integer_field<int64_t>(s.at("manifest"), "manifest", "snapshot index");
+      if (manifest >= 0 && step > newest) {
+        newest = step;
+        manifest_bytes = manifest;
       }
     }
     {
@@ -137,17 +141,18 @@ struct SnapshotReplication::Impl {
     const fs::path step_dir = dir / step_name;
     const json offered = fetch_index(from);
     for (const json& s : offered.at("steps")) {
-      if (s.at("step").get<int64_t>() != newest) continue;
+      if (util::integer_field<int64_t>(s.at("step"), "step", from + "/index") != newest) continue;
       fs::create_directories(step_dir);
-      for (const auto& [name, bytes] : s.at("files").items()) {
+      for (const auto& [name, size] : s.at("files").items()) {
         util::check_plain_file_name(name, from + "/index", "file");
+        const auto bytes = util::integer_field<uint64_t>(size, name.c_str(), from + "/index");
         std::error_code ec;
-        if (fs::file_size(step_dir / name, ec) == bytes.get<uint64_t>() && !ec) continue;
-        fetch(from + "/files/" + step_name + "/" + name, step_dir / name, bytes.get<uint64_t>());
+        if (fs::file_size(step_dir / name, ec) == bytes && !ec) continue;
+        fetch(from + "/files/" + step_name + "/" + name, step_dir / name, bytes);
         std::lock_guard<std::mutex> lock(mutex);
         copied.insert({newest, name});
         ++stats.files;
-        stats.bytes += bytes.get<uint64_t>();
+        stats.bytes += bytes;
       }
       if (!manifests.empty() && !fs::exists(step_dir / kManifest)) {
         fetch(manifests + "/files/" + step_name + "/" + kManifest, step_dir / kManifest,

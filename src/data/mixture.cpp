@@ -11,6 +11,7 @@
 #include "data/permutation.h"
 #include "loom/error.h"
 #include "util/dtype.h"
+#include "util/json.h"
 #include "util/mix.h"
 
 namespace loom::data {
@@ -267,11 +268,12 @@ MixtureState MixtureState::from_json(const std::string& text) {
                "mixture state: written by draw algorithm '", algorithm, "' and order '", order,
                "', this Loom uses '", kAlgorithm, "' and '", Permutation::kAlgorithm,
                "'; its positions would mean other samples");
-    state.seed = j.at("seed").get<uint64_t>();
-    state.slots = j.at("slots").get<uint64_t>();
+    state.seed = util::integer_field<uint64_t>(j.at("seed"), "seed", "mixture state");
+    state.slots = util::integer_field<uint64_t>(j.at("slots"), "slots", "mixture state");
     for (const nlohmann::json& s : j.at("sources")) {
-      state.sources.push_back({s.at("dataset_version").get<std::string>(),
-                               s.value("dataset", std::string()), s.at("drawn").get<uint64_t>()});
+      state.sources.push_back(
+          {s.at("dataset_version").get<std::string>(), s.value("dataset", std::string()),
+           util::integer_field<uint64_t>(s.at("drawn"), "drawn", "mixture state")});
     }
   } catch (const nlohmann::json::exception& e) {
     throw CorruptData(

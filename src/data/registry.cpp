@@ -18,6 +18,7 @@
 #include "util/fd.h"
 #include "util/files.h"
 #include "util/hash.h"
+#include "util/json.h"
 #include "util/mapped_file.h"
 
 namespace loom::data {
@@ -77,7 +78,8 @@ Lineage parse_lineage(const json& j, const std::string& what) {
   try {
     Lineage l;
     for (const json& s : j.at("sources")) {
-      l.sources.push_back({s.at("path").get<std::string>(), s.at("bytes").get<uint64_t>(),
+      l.sources.push_back({s.at("path").get<std::string>(),
+                           util::integer_field<uint64_t>(s.at("bytes"), "bytes", what),
                            util::parse_hash_hex(s.at("xxhash64").get<std::string>(), what)});
     }
     l.command = j.at("command").get<std::string>();
@@ -217,13 +219,13 @@ DatasetVersion DirectoryRegistry::read_version(const std::string& name, uint64_t
     LOOM_CHECK(j.at("format").get<std::string>() == kEntryFormat, CorruptData, file.string(),
                " is not a Loom registry entry");
     v.name = j.at("name").get<std::string>();
-    v.number = j.at("version").get<uint64_t>();
+    v.number = util::integer_field<uint64_t>(j.at("version"), "version", file.string());
     v.content_version = j.at("content_version").get<std::string>();
     v.dir = j.at("dir").get<std::string>();
     v.kind =
         j.at("kind").get<std::string>() == "tokens" ? DatasetKind::kTokens : DatasetKind::kRecords;
-    v.bytes = j.at("bytes").get<uint64_t>();
-    v.items = j.at("items").get<uint64_t>();
+    v.bytes = util::integer_field<uint64_t>(j.at("bytes"), "bytes", file.string());
+    v.items = util::integer_field<uint64_t>(j.at("items"), "items", file.string());
     v.registered_at = j.at("registered_at").get<std::string>();
     v.lineage = parse_lineage(j.at("lineage"), file.string());
   } catch (const json::exception& e) {

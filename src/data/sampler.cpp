@@ -9,6 +9,7 @@
 
 #include "data/permutation.h"
 #include "loom/error.h"
+#include "util/json.h"
 
 namespace loom::data {
 namespace {
@@ -25,10 +26,7 @@ const json& field(const json& object, const char* name) {
 }
 
 uint64_t unsigned_field(const json& object, const char* name) {
-  const json& value = field(object, name);
-  LOOM_CHECK(value.is_number_unsigned(), CorruptData, "reader state field \"", name,
-             "\" must be a non-negative integer, got ", value.dump());
-  return value.get<uint64_t>();
+  return util::integer_field<uint64_t>(field(object, name), name, "reader state");
 }
 
 std::string string_field(const json& object, const char* name) {

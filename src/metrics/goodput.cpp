@@ -7,6 +7,7 @@
 
 #include "loom/error.h"
 #include "util/files.h"
+#include "util/json.h"
 
 namespace loom::metrics {
 namespace {
@@ -29,14 +30,16 @@ GoodputTracker::GoodputTracker(const std::filesystem::path& run_dir, GoodputOpti
       LOOM_CHECK(j.at("format") == "loom-goodput" && j.at("version") == kFormatVersion, CorruptData,
                  "not a version ", kFormatVersion, " goodput account");
       previous_wall_ = j.at("wall_seconds").get<double>();
-      sessions_ = j.at("sessions").get<int64_t>();
+      sessions_ = util::integer_field<int64_t>(j.at("sessions"), "sessions", "");
       lost_ = j.at("lost_seconds").get<double>();
       for (const auto& c : j.at("commits")) {
-        commits_.emplace_back(c.at(0).get<int64_t>(), c.at(1).get<double>());
+        commits_.emplace_back(util::integer_field<int64_t>(c.at(0), "commits[][0]", ""),
+                              c.at(1).get<double>());
       }
       const auto& p = j.at("pending");
-      previous_pending_ = {p.at("seconds").get<double>(), p.at("first_step").get<int64_t>(),
-                           p.at("last_step").get<int64_t>()};
+      previous_pending_ = {p.at("seconds").get<double>(),
+                           util::integer_field<int64_t>(p.at("first_step"), "first_step", ""),
+                           util::integer_field<int64_t>(p.at("last_step"), "last_step", "")};
     } catch (const nlohmann::json::exception& e) {
       throw CorruptData(detail::concat(file_.string(), " is not a goodput account (", e.what(),
                                        "); delete it to start a new one"));

@@ -24,6 +24,7 @@
 #include "optim/sum_of_squares.h"
 #include "util/deadline.h"
 #include "util/dtype.h"
+#include "util/json.h"
 
 namespace loom::parallel {
 
@@ -718,8 +719,11 @@ struct DataParallel::Impl {
     try {
       const nlohmann::json json = nlohmann::json::parse(blob->second);
       saved_optimizer = json.at("optimizer").get<std::string>();
-      saved_steps = json.at("step").get<int64_t>();
+      saved_steps = util::integer_field<int64_t>(json.at("step"), "step", "");
     } catch (const nlohmann::json::exception& e) {
+      throw CorruptData(detail::concat("DataParallel::load_state: the 'optim' blob is corrupt (",
+                                       e.what(), "): ", blob->second));
+    } catch (const CorruptData& e) {
       throw CorruptData(detail::concat("DataParallel::load_state: the 'optim' blob is corrupt (",
                                        e.what(), "): ", blob->second));
     }

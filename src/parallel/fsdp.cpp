@@ -25,6 +25,7 @@
 #include "optim/sum_of_squares.h"
 #include "util/deadline.h"
 #include "util/dtype.h"
+#include "util/json.h"
 
 namespace loom::parallel {
 
@@ -1000,8 +1001,19 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     const auto blob = source.blobs.find("optim");
     LOOM_CHECK(blob != source.blobs.end(), InvalidArgument,
                "FSDP::load_state: the state has no 'optim' blob");
-    const nlohmann::json json = nlohmann::json::parse(blob->second);
-    const std::string saved_optimizer = json.at("optimizer").get<std::string>();
+    std::string saved_optimizer;
+    int64_t saved_steps = 0;
+    try {
+      const nlohmann::json json = nlohmann::json::parse(blob->second);
+      saved_optimizer = json.at("optimizer").get<std::string>();
+      saved_steps = util::integer_field<int64_t>(json.at("step"), "step", "");
+    } catch (const nlohmann::json::exception& e) {
+      throw CorruptData(loom::detail::concat("FSDP::load_state: the 'optim' blob is corrupt (",
+                                             e.what(), "): ", blob->second));
+    } catch (const CorruptData& e) {
+      throw CorruptData(loom::detail::concat("FSDP::load_state: the 'optim' blob is corrupt (",
+                                             e.what(), "): ", blob->second));
+    }
     LOOM_CHECK(!optimizer || saved_optimizer == optimizer->name(), InvalidArgument,
                "FSDP::load_state: the state was saved with optimizer '", saved_optimizer,
                "' but this one is '", optimizer->name(), "'");
@@ -1020,7 +1032,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
                  "), this rank needs ", t.numel(), " [", sharding.begin, ", ", sharding.end, ")");
       if (entry.tensor.data_ptr() != t.data_ptr()) t.copy_(entry.tensor.reshape(t.sizes()));
     });
-    steps = json.at("step").get<int64_t>();
+    steps = saved_steps;
     for (Unit& unit : units) {
       if (unit.master.defined()) unit.shard.copy_(unit.master);
     }

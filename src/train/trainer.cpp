@@ -27,6 +27,7 @@
 #include "loom/optim/flat_optimizer.h"
 #include "loom/parallel/strategy.h"
 #include "loom/runtime.h"
+#include "util/json.h"
 
 namespace loom::train {
 namespace {
@@ -345,18 +346,24 @@ struct Trainer::Impl {
     if (!same_world) load.leave_out.push_back("rng/cpu");
     const int64_t loaded = source.checkpointer->load(newest.step, state, load);
     strategy.load_state(state);
+    const auto corrupt_blob = [&](const char* why) {
+      return CorruptData(detail::concat("resuming from ", source.what, " step ", loaded, " (",
+                                        newest.path.string(), "): its 'trainer' blob is corrupt (",
+                                        why, "): ", state.blobs.at("trainer"),
+                                        ". Remove that step to resume from an earlier one."));
+    };
     try {
       const json trainer = json::parse(state.blobs.at("trainer"));
-      step = trainer.at("step").get<int64_t>();
+      step = util::integer_field<int64_t>(trainer.at("step"), "step", "");
       if (options.loss_scaling.enabled && trainer.contains("loss_scale")) {
         loss_scale = trainer.at("loss_scale").get<double>();
-        scale_good_steps = trainer.at("loss_scale_good_steps").get<int64_t>();
+        scale_good_steps = util::integer_field<int64_t>(trainer.at("loss_scale_good_steps"),
+                                                        "loss_scale_good_steps", "");
       }
     } catch (const json::exception& e) {
-      throw CorruptData(detail::concat("resuming from ", source.what, " step ", loaded, " (",
-                                       newest.path.string(), "): its 'trainer' blob is corrupt (",
-                                       e.what(), "): ", state.blobs.at("trainer"),
-                                       ". Remove that step to resume from an earlier one."));
+      throw corrupt_blob(e.what());
+    } catch (const CorruptData& e) {  // an integer that is not one (util::integer_field)
+      throw corrupt_blob(e.what());
     }
     reader.restore_json(state.blobs.at("reader"));
     if (same_world) {

@@ -16,9 +16,9 @@ namespace loom::util {
 // fits T; anything else (a float, a string, an integer out of range) is CorruptData
 // "<where>: \"<key>\" is <value>, not an integer that fits <N> bits". nlohmann's get<T>()
 // converts a float or an out-of-range number without a check, which is undefined behaviour
-// (found by the fuzzers in tests/fuzz/). The dataset and checkpoint manifests and flight dumps
-// read their integers through here; the other JSON readers (safetensors headers, states in
-// checkpoint blobs, the registry) do not yet.
+// (found by the fuzzers in tests/fuzz/). Every integer Loom reads from JSON it did not just
+// write comes through here: manifests, flight dumps, reader, mixture and trainer states,
+// checkpoint blobs, the registry, goodput accounts and snapshot indexes.
 template <typename T>
 T integer_field(const nlohmann::json& value, const char* key, const std::string& where) {
   static_assert(std::is_integral_v<T> && !std::is_same_v<T, bool>);

@@ -35,10 +35,10 @@ struct TensorSummary {
 
 struct StepSummary {
   int64_t step = 0;
-  std::filesystem::path path;  // the step directory
-  int world_size = 0;          // ranks that saved it
-  uint64_t bytes = 0;          // data files' total size
-  size_t files = 0;            // data files
+  std::filesystem::path path;                // the step directory
+  int world_size = 0;                        // ranks that saved it
+  uint64_t bytes = 0;                        // data files' total size
+  size_t files = 0;                          // data files
   std::vector<TensorSummary> tensors;        // in the manifest's order
   std::map<std::string, std::string> blobs;  // metadata: name -> JSON text
 };

@@ -108,7 +108,8 @@ TEST(CheckpointInspection, ListsCommittedStepsAndUncommittedDirectories) {
   save_step(dir.path(), 10);
   std::filesystem::create_directories(step_path(dir.path(), 12));  // a save cut short
   EXPECT_EQ(committed_steps(dir.path()), (std::vector<int64_t>{3, 10}));
-  EXPECT_EQ(uncommitted_dirs(dir.path()), std::vector<std::filesystem::path>{step_path(dir.path(), 12)});
+  EXPECT_EQ(uncommitted_dirs(dir.path()),
+            std::vector<std::filesystem::path>{step_path(dir.path(), 12)});
 }
 
 TEST(CheckpointInspection, AStepThatIsNotCommittedIsIoErrorNamingTheManifest) {

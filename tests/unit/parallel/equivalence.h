@@ -10,8 +10,10 @@
 
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "loom/comm/group.h"
@@ -296,6 +298,24 @@ inline std::string world_and_stage_name(
     const ::testing::TestParamInfo<std::tuple<int, ZeroStage>>& info) {
   return std::string(to_string(std::get<1>(info.param))) + "_W" +
          std::to_string(std::get<0>(info.param));
+}
+
+// Corrupt 'optim' blobs, each with the cause a wrapper's load_state must quote: not JSON, the
+// step missing (nlohmann's own words), a step that is a string or a fraction.
+inline std::vector<std::pair<std::string, std::string>> corrupt_optim_blobs() {
+  std::vector<std::pair<std::string, std::string>> cases;
+  for (const std::string blob : {"{\"optimizer\": \"adamw\"", "{\"optimizer\": \"adamw\"}"}) {
+    try {
+      (void)nlohmann::json::parse(blob).at("step");
+    } catch (const nlohmann::json::exception& e) {
+      cases.emplace_back(blob, e.what());
+    }
+  }
+  cases.emplace_back("{\"optimizer\": \"adamw\", \"step\": \"two\"}",
+                     "\"step\" is \"two\", not an integer that fits 64 bits");
+  cases.emplace_back("{\"optimizer\": \"adamw\", \"step\": 2.5}",
+                     "\"step\" is 2.5, not an integer that fits 64 bits");
+  return cases;
 }
 
 }  // namespace loom::testing::parallel

@@ -770,6 +770,25 @@ std::string construction_error(std::shared_ptr<torch::nn::Module> model) {
   return message;
 }
 
+// As for DataParallel: a corrupt 'optim' blob is CorruptData quoting it, not nlohmann's error.
+TEST(FsdpBadInput, ACorruptOptimBlobIsCorruptDataQuotingIt) {
+  torch::set_num_threads(1);
+  expect_all_ok(run_threads(1, [&](Rank& r) {
+    auto group = make_group(r);
+    auto model = make_model(Shape{}, at::kFloat, true);
+    FullyShardedDataParallel fsdp(model, *group);
+    fsdp.set_optimizer(std::make_unique<optim::AdamW>());
+    for (const auto& [blob, cause] : loom::testing::parallel::corrupt_optim_blobs()) {
+      SCOPED_TRACE(blob);
+      ckpt::State state;
+      fsdp.add_state(state);
+      state.blobs["optim"] = blob;
+      EXPECT_EQ(loom::testing::error_of<CorruptData>([&] { fsdp.load_state(state); }),
+                "FSDP::load_state: the 'optim' blob is corrupt (" + cause + "): " + blob);
+    }
+  }));
+}
+
 TEST(FsdpBadInput, AUnitInsideAnotherUnitIsNamed) {
   auto model = std::make_shared<Holder>();
   model->register_module("outer", FsdpUnit(Nest()));
