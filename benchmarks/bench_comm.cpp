@@ -288,8 +288,7 @@ int run_parent(const Settings& s, const std::string& self) {
   std::filesystem::path dir =
       std::filesystem::temp_directory_path() / loom::detail::concat("loom-bench-comm-", ::getpid());
   std::filesystem::create_directories(dir);
-  std::vector<loom::util::Subprocess> children;
-  for (int r = 0; r < s.ranks; ++r) {
+  const auto worker = [&](int r) {
     std::vector<std::string> argv = {self,
                                      "--worker-rank=" + std::to_string(r),
                                      "--store-dir=" + dir.string(),
@@ -307,13 +306,17 @@ int run_parent(const Settings& s, const std::string& self) {
     if (s.json) argv.push_back("--json");
     loom::util::SubprocessOptions options{.argv = argv};
     if (r != 0) options.output = dir / loom::detail::concat("rank_", r, ".log");
-    children.push_back(loom::util::Subprocess::spawn(options));
-  }
+    return options;
+  };
+  // A rank that fails leaves the others in a collective: they get a minute, not their deadline.
+  const auto statuses =
+      loom::util::run_rank_processes(s.ranks, worker, {.after_failure = std::chrono::minutes(1)});
   int status = 0;
   for (int r = 0; r < s.ranks; ++r) {
-    loom::util::ExitStatus exit = children[r].wait();
-    if (!exit.ok()) {
-      std::cerr << "bench_comm: rank " << r << " " << exit.describe() << std::endl;
+    if (!statuses[r] || !statuses[r]->ok()) {
+      std::cerr << "bench_comm: rank " << r << " "
+                << (statuses[r] ? statuses[r]->describe() : "was killed after another failed")
+                << std::endl;
       status = 1;
     }
   }

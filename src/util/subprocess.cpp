@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -16,6 +17,7 @@
 #include <utility>
 
 #include "loom/error.h"
+#include "util/deadline.h"
 
 extern char** environ;
 
@@ -182,6 +184,38 @@ std::optional<ExitStatus> Subprocess::wait_for(std::chrono::milliseconds timeout
     backoff = std::min(backoff * 2, std::chrono::milliseconds{10});
   }
   return status_;
+}
+
+std::vector<std::optional<ExitStatus>> run_rank_processes(
+    int world, const std::function<SubprocessOptions(int rank)>& options_for,
+    const RankProcessesOptions& options) {
+  std::vector<Subprocess> children;
+  for (int r = 0; r < world; ++r) children.push_back(Subprocess::spawn(options_for(r)));
+  std::vector<std::optional<ExitStatus>> results(world);
+  std::vector<bool> done(world, false);
+  auto deadline = deadline_after(options.timeout);
+  for (int left = world; left > 0;) {
+    for (int r = 0; r < world; ++r) {
+      if (done[r]) continue;
+      results[r] = children[r].wait_for(std::chrono::milliseconds{0});
+      if (!results[r]) continue;
+      done[r] = true;
+      --left;
+      if (!results[r]->ok()) deadline = std::min(deadline, deadline_after(options.after_failure));
+    }
+    if (left == 0) break;
+    if (expired(deadline)) {
+      for (int r = 0; r < world; ++r) {
+        if (done[r]) continue;
+        children[r].signal(SIGKILL);
+        children[r].wait();
+        results[r].reset();  // killed here, not by its own doing
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::min(std::chrono::milliseconds{10}, time_left(deadline)));
+  }
+  return results;
 }
 
 ExitStatus Subprocess::wait() {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -63,6 +64,23 @@ class Subprocess {
   bool group_ = false;
   std::optional<ExitStatus> status_;
 };
+
+// One process per rank, for jobs started by hand rather than by `loom run`: the test harness's
+// run_processes and the benchmarks' workers.
+struct RankProcessesOptions {
+  // From the start: ranks still running then are killed.
+  std::chrono::milliseconds timeout = std::chrono::hours(24);
+  // Once a rank has failed, the others' time left (they are usually waiting for it in a
+  // collective that would time out much later): then they are killed.
+  std::chrono::milliseconds after_failure = std::chrono::hours(24);
+};
+
+// Spawns `world` processes, rank r's from options_for(r), and waits for all of them. Rank r's
+// result is its exit status, or nullopt when it was still running at the timeout (or
+// after_failure past the first failure) and was killed here.
+std::vector<std::optional<ExitStatus>> run_rank_processes(
+    int world, const std::function<SubprocessOptions(int rank)>& options_for,
+    const RankProcessesOptions& options = {});
 
 // The pids of `parent`'s living children now (read from /proc): e.g. the workers of a `loom run`
 // agent, for a test or a benchmark to kill one of them, or all of them with the agent.

@@ -181,8 +181,7 @@ std::vector<RankOutcome> run_processes(int world, const RankFn& fn, const Proces
   const std::string test = current_test_name();
   TempDir dir("loom-procs");
 
-  std::vector<util::Subprocess> children;
-  for (int r = 0; r < world; ++r) {
+  const auto spawn = [&](int r) {
     util::SubprocessOptions spawn;
     spawn.argv = {std::filesystem::read_symlink("/proc/self/exe").string(),
                   "--gtest_filter=" + test, "--gtest_also_run_disabled_tests"};
@@ -196,21 +195,18 @@ std::vector<RankOutcome> run_processes(int world, const RankFn& fn, const Proces
     spawn.env["GTEST_SHARD_INDEX"] = "0";
     spawn.env["GTEST_OUTPUT"] = "";
     spawn.output = log_path(dir.path(), r);
-    children.push_back(util::Subprocess::spawn(spawn));
-  }
+    return spawn;
+  };
+  const std::vector<std::optional<util::ExitStatus>> statuses = util::run_rank_processes(
+      world, spawn,
+      {.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout)});
 
-  const auto deadline = Clock::now() + options.timeout;
   std::vector<RankOutcome> outcomes(world);
   for (int r = 0; r < world; ++r) {
     RankOutcome& outcome = outcomes[r];
     outcome.rank = r;
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    const std::optional<util::ExitStatus> status =
-        children[r].wait_for(std::max(left, std::chrono::milliseconds{0}));
+    const std::optional<util::ExitStatus>& status = statuses[r];
     if (!status) {
-      children[r].signal(SIGKILL);
-      children[r].wait();
       outcome.error =
           detail::concat("did not finish within ", options.timeout.count(), "s; killed");
     } else if (!status->ok()) {

@@ -185,5 +185,56 @@ TEST(Subprocess, EmptyArgvIsInvalidArgument) {
   EXPECT_THROW(Subprocess::spawn({}), InvalidArgument);
 }
 
+// ---- One process per rank ------------------------------------------------------------------
+
+TEST(RankProcesses, EachRankGetsItsOwnOptionsAndItsExitStatus) {
+  testing::TempDir dir;
+  const auto statuses = run_rank_processes(3, [&](int r) {
+    SubprocessOptions o = command({"sh", "-c", "echo rank $RANK; exit $((RANK * 2))"});
+    o.env["RANK"] = std::to_string(r);
+    o.output = dir / ("rank_" + std::to_string(r) + ".log");
+    return o;
+  });
+  ASSERT_EQ(statuses.size(), 3u);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(statuses[r].has_value()) << r;
+    EXPECT_EQ(statuses[r]->code, 2 * r);
+    EXPECT_EQ(statuses[r]->signal, 0);
+    EXPECT_EQ(read_all(dir / ("rank_" + std::to_string(r) + ".log")),
+              "rank " + std::to_string(r) + "\n");
+  }
+}
+
+// A rank that fails leaves the others blocked (here in a sleep standing for a collective):
+// they are killed after_failure later, long before their own end.
+TEST(RankProcesses, AFailedRankEndsTheOthersAfterTheGracePeriod) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto statuses =
+      run_rank_processes(3,
+                         [&](int r) {
+                           return command({"sh", "-c", r == 1 ? "exit 7" : "exec sleep 60"});
+                         },
+                         {.after_failure = milliseconds(300)});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  ASSERT_TRUE(statuses[1].has_value());
+  EXPECT_EQ(statuses[1]->code, 7);
+  EXPECT_FALSE(statuses[0].has_value());
+  EXPECT_FALSE(statuses[2].has_value());
+}
+
+TEST(RankProcesses, RanksStillRunningAtTheTimeoutAreKilled) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto statuses =
+      run_rank_processes(2,
+                         [&](int r) {
+                           return command({"sh", "-c", r == 0 ? "exit 0" : "exec sleep 60"});
+                         },
+                         {.timeout = milliseconds(300)});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  ASSERT_TRUE(statuses[0].has_value());
+  EXPECT_TRUE(statuses[0]->ok());
+  EXPECT_FALSE(statuses[1].has_value());
+}
+
 }  // namespace
 }  // namespace loom::util
