@@ -1,0 +1,124 @@
+// bench_train: training steps of a decoder-only transformer, Loom beside the plain way. Each
+// mode is a file of benchmarks/bench_train/; this one parses the command line.
+//
+// --mode=ddp: one training step of a ~20M-parameter model on N ranks as processes (Gloo over
+// a FileStore, loopback TCP), for
+//   baseline   the plain way of libtorch C++ examples: backward, then one all-reduce per
+//              parameter gradient, then torch::optim::AdamW;
+//   ddp        Loom's DataParallel: bucketed all-reduce overlapped with backward, torch AdamW;
+//   zero1/2    DataParallel with ZeRO-1 / ZeRO-2 and Loom's sharded AdamW;
+// plus the share of communication that overlap hides and the optimizer-state bytes per rank.
+//
+// --mode=trainer: train::Trainer's step time (a ~3M-parameter model, 1 and 2 ranks) beside
+//   hand_dp      a hand-written loop over the same DataParallel and Loom AdamW: what the
+//                Trainer adds on top (its target: at most 3% slower);
+//   hand_plain   the plain libtorch loop: torch AdamW, clip_grad_norm_, and at 2 ranks one
+//                all-reduce per gradient after backward;
+//   python_ddp   the same model in Python, torch.nn.parallel.DistributedDataParallel (gloo),
+//                2 processes (skipped with a note when python3 or torch is missing).
+// Every loop reads the same token batches (one data::Reader each, same dataset and options),
+// clips the gradient norm to 1 and takes the loss with .item().
+//
+// --mode=sharding: the GPT example's model (~20M parameters) on W = 2 and 4 ranks as processes,
+// under DDP, ZeRO-1, ZeRO-2, FSDP (each block a unit) and FSDP with activation checkpointing:
+// step time beside DDP's (cold and warm; FSDP without prefetch too, to show what prefetch
+// hides), and each case's peak bytes per rank of parameters, gradients, optimizer state and
+// activations, counted from the CPU allocator (metrics/allocations.h), each case alone.
+//
+// --mode=pipeline: parallel::Pipeline's bubble under GPipe, 1F1B and interleaved 1F1B (p = 4
+// stages, m = 8 micro-batches by default) beside the theoretical (p - 1) / (m + p - 1), with
+// timed-wait stages so the 2-core machine measures the schedule rather than its cores.
+//
+// ratio = baseline / Loom for times (above 1: Loom is faster), replicated / Loom for bytes.
+//
+//   bench_train --mode=ddp               2 ranks, the 20M model, table
+//   bench_train --mode=trainer           1 and 2 ranks, the 3M model, table
+//   bench_train --mode=sharding          2 and 4 ranks, the 20M GPT, table
+//   bench_train --mode=pipeline          4 stages, 8 micro-batches, the three schedules
+//   bench_train --mode=... --json        JSON rows
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+#include "bench_train.h"
+
+namespace {
+
+using bench_train::Settings;
+
+// --mode=trainer's model: a step of ~50-200 ms on one core of the 2-core benchmark machine.
+void use_trainer_defaults(Settings& s, const CLI::App& app) {
+  auto fallback = [&](const char* option, auto& field, auto value) {
+    if (app.count(option) == 0) field = value;
+  };
+  fallback("--vocab", s.vocab, int64_t{2048});
+  fallback("--dim", s.dim, int64_t{256});
+  fallback("--layers", s.layers, int64_t{3});
+  fallback("--heads", s.heads, int64_t{4});
+  fallback("--seq", s.seq, int64_t{64});
+  fallback("--batch", s.batch, int64_t{4});
+  fallback("--steps", s.steps, 30);
+  fallback("--warmup", s.warmup, 3);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{"bench_train: data-parallel training steps, Loom beside the plain way"};
+  app.add_option("--mode", s.mode, "what to measure: ddp, trainer, sharding or pipeline")
+      ->check(CLI::IsMember({"ddp", "trainer", "sharding", "pipeline"}));
+  app.add_option("--ranks", s.ranks, "ranks (processes)")->check(CLI::Range(1, 64));
+  app.add_option("--vocab", s.vocab, "vocabulary size");
+  app.add_option("--dim", s.dim, "model width");
+  app.add_option("--layers", s.layers, "transformer blocks");
+  app.add_option("--heads", s.heads, "attention heads");
+  app.add_option("--seq", s.seq, "tokens per sequence");
+  app.add_option("--batch", s.batch, "sequences per rank per step");
+  app.add_option("--steps", s.steps, "measured steps per case")->check(CLI::Range(1, 100000));
+  app.add_option("--warmup", s.warmup, "unmeasured steps per case");
+  app.add_option("--threads", s.threads, "intra-op threads per rank");
+  app.add_option("--bucket-mib", s.bucket_mib, "DataParallel bucket size in MiB");
+  app.add_option("--micro-batches", s.micro_batches, "--mode=pipeline: micro-batches per step")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--forward-ms", s.forward_ms,
+                 "--mode=pipeline: a stage's forward per micro-batch (backward: twice)");
+  app.add_flag("--json", s.json, "print one JSON object per row");
+  app.add_option("--python", s.python, "--mode=trainer: the Python with torch for the DDP peer")
+      ->capture_default_str();
+  app.add_option("--worker-rank", s.worker_rank, "internal: run as this rank")->group("");
+  app.add_option("--store-dir", s.store_dir, "internal: rendezvous directory")->group("");
+  app.add_option("--dataset", s.dataset, "internal: the token dataset")->group("");
+  app.add_option("--baton", s.baton, "internal: turn-taking directory with Python DDP")->group("");
+  CLI11_PARSE(app, argc, argv);
+  const bool trainer = s.mode == "trainer";
+  const bool sharding = s.mode == "sharding";
+  if (trainer) use_trainer_defaults(s, app);
+  // --mode=sharding: ~20M parameters with the tied head; W = 2 and 4 unless --ranks is given.
+  if (sharding && app.count("--vocab") == 0) s.vocab = 16384;
+  const std::vector<int> sharding_worlds =
+      app.count("--ranks") > 0 ? std::vector<int>{s.ranks} : std::vector<int>{2, 4};
+  try {
+    if (s.mode == "pipeline") {
+      if (app.count("--ranks") == 0) s.ranks = 4;
+      if (app.count("--steps") == 0) s.steps = 5;
+      return bench_train::run_pipeline(s);
+    }
+    if (s.worker_rank >= 0) {
+      if (trainer) {
+        bench_train::run_trainer_worker(s);
+      } else if (sharding) {
+        bench_train::run_sharding_worker(s);
+      } else {
+        bench_train::run_ddp_worker(s);
+      }
+      return 0;
+    }
+    if (sharding) return bench_train::run_sharding_parent(s, "/proc/self/exe", sharding_worlds);
+    return trainer ? bench_train::run_trainer_parent(s, "/proc/self/exe")
+                   : bench_train::run_parent(s, "/proc/self/exe");
+  } catch (const std::exception& e) {
+    std::cerr << "bench_train: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,509 @@
+// bench_train --mode=trainer: train::Trainer's step time beside a hand-written loop over the
+// same DataParallel, the plain libtorch loop and PyTorch's Python DDP (main.cpp has the cases).
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "bench_train.h"
+#include "loom/comm/gloo.h"
+#include "loom/comm/store.h"
+#include "loom/config.h"
+#include "loom/data/dataset.h"
+#include "loom/data/reader.h"
+#include "loom/error.h"
+#include "loom/parallel/data_parallel.h"
+#include "loom/runtime.h"
+#include "loom/train/trainer.h"
+#include "util/subprocess.h"
+
+namespace bench_train {
+namespace {
+
+// A token dataset of random documents, enough for every reader of a run without wrapping.
+void write_token_dataset(const Settings& s, const std::filesystem::path& dir) {
+  const int64_t rounds = s.warmup + s.steps;
+  const int64_t tokens = std::max<int64_t>(1 << 16, 2 * rounds * s.batch * 2 * (s.seq + 1));
+  loom::data::TokenDatasetWriter writer(
+      dir, {.vocab_size = static_cast<uint64_t>(s.vocab), .description = "bench_train tokens"});
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<uint32_t> token(0, static_cast<uint32_t>(s.vocab - 1));
+  std::vector<uint32_t> document(1024);
+  for (int64_t written = 0; written < tokens; written += static_cast<int64_t>(document.size())) {
+    for (auto& t : document) t = token(rng);
+    writer.add_document(document);
+  }
+  writer.finish();
+}
+
+// Rank 0's step times in ms, one per measured round, written by its worker for the parent.
+struct TrainerTimes {
+  std::vector<double> trainer, hand_dp, hand_plain;
+};
+
+// The median over rounds of num[i] / den[i]: a paired figure, steadier than the ratio of
+// medians when the load of the machine drifts.
+double median_ratio(const std::vector<double>& num, const std::vector<double>& den) {
+  std::vector<double> ratios;
+  for (size_t i = 0; i < num.size() && i < den.size(); ++i) ratios.push_back(num[i] / den[i]);
+  return median(ratios);
+}
+
+// Turn-taking with the Python DDP peer (run_trainer_parent starts both at once), through files
+// in one directory, so that the two alternate round by round and load on the machine falls on
+// both alike: after Loom's round i (the Trainer step and the hand loops), Loom's rank 0 creates
+// python_<i> and waits for loom_<i>, which Python's rank 0 creates after its own round i. The
+// wait is outside every timed region. When the Python side fails (it creates "failed") or takes
+// longer than a deadline, Loom goes on alone and the Python row is skipped.
+class PythonBaton {
+ public:
+  explicit PythonBaton(std::string dir) : dir_(std::move(dir)) {}
+
+  // Each rank's batches, in the order its Trainer reads them, for Python to train on the same
+  // tokens: rounds x [batch, seq + 1] int64, written before the first round.
+  void write_batches(loom::Runtime& rt, const Settings& s,
+                     const loom::data::ReaderOptions& reader_options) {
+    if (dir_.empty()) return;
+    auto reader = rt.open_dataset(s.dataset, reader_options);
+    const std::filesystem::path path =
+        std::filesystem::path(dir_) / loom::detail::concat("tokens_rank", s.worker_rank, ".bin");
+    const std::filesystem::path part = path.string() + ".part";
+    {
+      std::ofstream out(part, std::ios::binary);
+      for (int i = 0; i < s.warmup + s.steps; ++i) {
+        const at::Tensor tokens = reader->next()["tokens"].to(torch::kLong).contiguous();
+        out.write(static_cast<const char*>(tokens.data_ptr()),
+                  static_cast<std::streamsize>(tokens.numel() * sizeof(int64_t)));
+      }
+      LOOM_CHECK(out.good(), loom::Error, "bench_train: cannot write ", part);
+    }
+    std::filesystem::rename(part, path);
+  }
+
+  // Rank 0: hands round `round` to Python and waits until it is done.
+  void pass(int round) {
+    if (dir_.empty() || gone_) return;
+    const std::filesystem::path dir(dir_);
+    std::ofstream(dir / loom::detail::concat("python_", round)).put('1');
+    const std::filesystem::path back = dir / loom::detail::concat("loom_", round);
+    const auto deadline = Clock::now() + std::chrono::minutes(5);
+    while (!std::filesystem::exists(back)) {
+      if (std::filesystem::exists(dir / "failed") || Clock::now() > deadline) {
+        gone_ = true;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+ private:
+  std::string dir_;
+  bool gone_ = false;
+};
+
+loom::Runtime trainer_runtime(const Settings& s) {
+  const std::string run_dir = (std::filesystem::path(s.store_dir) / "run").string();
+  const std::vector<std::string> args = {"bench_train", "--run.dir=" + run_dir,
+                                         "--run.threads=" + std::to_string(s.threads),
+                                         "--log.level=warn", "--log.to_file=false"};
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  const loom::Config config =
+      loom::Config::from_args(loom::Runtime::schema(), static_cast<int>(argv.size()), argv.data());
+  return loom::Runtime::init(config, {.rank = s.worker_rank,
+                                      .world_size = s.ranks,
+                                      .local_rank = s.worker_rank,
+                                      .local_world_size = s.ranks,
+                                      .store_dir = std::filesystem::path(s.store_dir) / "store"});
+}
+
+std::unique_ptr<loom::parallel::DataParallel> make_data_parallel(std::shared_ptr<Gpt> model,
+                                                                 loom::comm::Group& group,
+                                                                 const Settings& s) {
+  auto dp = std::make_unique<loom::parallel::DataParallel>(
+      model, group,
+      loom::parallel::DataParallelOptions{.bucket_bytes =
+                                              static_cast<size_t>(s.bucket_mib * (1 << 20))});
+  dp->set_optimizer(std::make_unique<loom::optim::AdamW>(loom::optim::AdamWOptions{.lr = 1e-4}));
+  return dp;
+}
+
+// Trainer steps with one step of each hand-written loop between them (run from the Trainer's
+// on_step_end), so that load from other processes falls on all loops alike. Every timed step
+// runs from one barrier to the next, so it is the slowest rank's. A Trainer step runs from the
+// end of the previous callback to the start of the next one: the whole of fit()'s loop. The
+// first `warmup` rounds are not recorded.
+TrainerTimes measure_trainer(const Settings& s) {
+  loom::Runtime rt = trainer_runtime(s);
+  loom::comm::Group& group = rt.world_group();
+  const loom::data::ReaderOptions reader_options{.batch_size = s.batch, .seq_len = s.seq};
+
+  auto trainer_model = make_model(s);
+  auto trainer_dp = make_data_parallel(trainer_model, group, s);
+  auto trainer_reader = rt.open_dataset(s.dataset, reader_options);
+
+  auto dp_model = make_model(s);
+  auto hand_dp = make_data_parallel(dp_model, group, s);
+  auto dp_reader = rt.open_dataset(s.dataset, reader_options);
+
+  auto plain_model = make_model(s);
+  torch::optim::AdamW plain_opt(plain_model->parameters(), torch::optim::AdamWOptions(1e-4));
+  auto plain_reader = rt.open_dataset(s.dataset, reader_options);
+
+  PythonBaton python(s.baton);
+  python.write_batches(rt, s, reader_options);
+
+  // What people write over DataParallel by hand: the Trainer's work without its bookkeeping.
+  auto hand_dp_step = [&] {
+    const loom::data::Batch batch = dp_reader->next();
+    hand_dp->zero_grad();
+    auto loss = loss_on(*dp_model, s, batch["tokens"]);
+    loss.backward();
+    hand_dp->finish_gradient_sync();
+    hand_dp->clip_grad_norm(1.0);
+    hand_dp->step();
+    (void)loss.item<double>();
+  };
+  // The plain libtorch loop: gradients all-reduced after backward (sum, then divide).
+  auto hand_plain_step = [&] {
+    const loom::data::Batch batch = plain_reader->next();
+    plain_opt.zero_grad();
+    auto loss = loss_on(*plain_model, s, batch["tokens"]);
+    loss.backward();
+    if (group.size() > 1) {
+      for (auto& p : plain_model->parameters()) {
+        at::Tensor grad = p.grad();
+        group.all_reduce(grad)->wait();
+        grad.div_(group.size());
+      }
+    }
+    torch::nn::utils::clip_grad_norm_(plain_model->parameters(), 1.0);
+    plain_opt.step();
+    (void)loss.item<double>();
+  };
+
+  // During Python's turn the ranks sleep for a step; the first step after that runs up to 10%
+  // slower (measured: whichever loop came first paid it), so each side's turn starts with an
+  // untimed forward and backward of a model of its own (Python's script does the same).
+  const at::Tensor warm_tokens = torch::randint(s.vocab, {s.batch, s.seq + 1}, torch::kLong);
+  auto warm_up = [&] {
+    loss_on(*plain_model, s, warm_tokens).backward();
+    plain_opt.zero_grad();
+    group.barrier()->wait();
+  };
+  std::vector<double> trainer_ms, hand_dp_ms, hand_plain_ms;
+  auto timed = [&](auto&& step, std::vector<double>& out, bool record) {
+    group.barrier()->wait();
+    const auto start = Clock::now();
+    step();
+    group.barrier()->wait();
+    if (record) out.push_back(ms_since(start));
+  };
+  loom::train::TrainOptions options;
+  options.steps = s.warmup + s.steps;
+  options.grad_clip = 1.0;
+  options.schedule = loom::train::Schedule::constant(1e-4);
+  options.resume = false;
+  auto trainer_start = Clock::now();
+  loom::train::Callbacks callbacks;
+  callbacks.on_step_end = [&](const loom::train::StepInfo& info) {
+    const bool record = info.step >= s.warmup;
+    group.barrier()->wait();
+    if (record) trainer_ms.push_back(ms_since(trainer_start));
+    timed(hand_dp_step, hand_dp_ms, record);
+    timed(hand_plain_step, hand_plain_ms, record);
+    if (group.rank() == 0) python.pass(static_cast<int>(info.step));
+    group.barrier()->wait();
+    if (!s.baton.empty()) warm_up();
+    trainer_start = Clock::now();
+  };
+  loom::train::Trainer trainer(
+      rt, *trainer_dp, *trainer_reader, options,
+      [&](const loom::data::Batch& batch) {
+        const at::Tensor& tokens = batch["tokens"];
+        return loom::train::MicroStep{.loss = loss_on(*trainer_model, s, tokens),
+                                      .tokens = tokens.size(0) * s.seq,
+                                      .samples = tokens.size(0)};
+      },
+      callbacks);
+  group.barrier()->wait();
+  trainer_start = Clock::now();
+  trainer.fit();
+  return {trainer_ms, hand_dp_ms, hand_plain_ms};
+}
+
+void write_line(std::ostream& out, const std::vector<double>& values) {
+  for (size_t i = 0; i < values.size(); ++i) out << (i == 0 ? "" : " ") << values[i];
+  out << "\n";
+}
+
+std::vector<double> read_line(std::istream& in) {
+  std::string line;
+  std::getline(in, line);
+  std::istringstream fields(line);
+  std::vector<double> values;
+  for (double v; fields >> v;) values.push_back(v);
+  return values;
+}
+
+}  // namespace
+
+void run_trainer_worker(const Settings& s) {
+  const TrainerTimes t = measure_trainer(s);
+  if (s.worker_rank != 0) return;
+  std::ofstream out(std::filesystem::path(s.store_dir) / "times.txt");
+  write_line(out, t.trainer);
+  write_line(out, t.hand_dp);
+  write_line(out, t.hand_plain);
+}
+
+namespace {
+
+// The peer: the same model, batches (the tokens each Loom rank's Trainer reads, from the baton
+// directory), optimizer, clipping and thread count in PyTorch's Python DDP (gloo, 2 processes
+// by torch.multiprocessing, rendezvous through a file), taking turns with Loom round by round
+// (PythonBaton). Every step runs from one barrier to the next, as in measure_trainer; rank 0
+// prints the step time of every measured round.
+constexpr const char* kPythonDdp = R"PY(
+import math, os, sys, time
+
+a = dict(arg.split("=", 1) for arg in sys.argv[1:])
+baton = a["baton"]
+
+
+def wait_for(name):
+    deadline = time.monotonic() + 300
+    path = os.path.join(baton, name)
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError("Loom did not create " + path + " within 300 s")
+        time.sleep(0.0002)
+
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    import torch.nn as nn
+    import torch.nn.functional as F
+except BaseException:
+    open(os.path.join(baton, "failed"), "w").close()
+    raise
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        hd = d // self.heads
+        parts = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
+        att = torch.matmul(parts[0], parts[1].transpose(-2, -1)) / math.sqrt(hd)
+        att = torch.softmax(att.masked_fill(mask, -1e9), -1)
+        y = torch.matmul(att, parts[2]).transpose(1, 2).reshape(b, t, d)
+        h = x + self.proj(y)
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+class Gpt(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(a["vocab"], a["dim"]), nn.Embedding(a["seq"], a["dim"])
+        self.blocks = nn.ModuleList([Block(a["dim"], a["heads"]) for _ in range(a["layers"])])
+        self.lnf = nn.LayerNorm(a["dim"])
+        self.head = nn.Linear(a["dim"], a["vocab"], bias=False)
+
+    def forward(self, tokens):
+        t = tokens.size(1)
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        x = self.tok(tokens) + self.pos(torch.arange(t))
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.lnf(x))
+
+
+def worker(rank, a):
+    torch.set_num_threads(a["threads"])
+    dist.init_process_group("gloo", init_method="file://" + a["init"], rank=rank, world_size=a["ranks"])
+    torch.manual_seed(7)
+    model = nn.parallel.DistributedDataParallel(Gpt(a), bucket_cap_mb=a["bucket_mib"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rounds = a["warmup"] + a["steps"]
+    batches, times = None, []
+    for i in range(rounds):
+        if rank == 0:
+            wait_for("python_%d" % i)
+        dist.barrier()
+        if batches is None:  # written by Loom's rank before its first round
+            with open(os.path.join(baton, "tokens_rank%d.bin" % rank), "rb") as f:
+                data = bytearray(f.read())
+            batches = torch.frombuffer(data, dtype=torch.int64).view(rounds, a["batch"], a["seq"] + 1)
+            dist.barrier()
+        tokens = batches[i]
+        with model.no_sync():  # untimed, as Loom's turn starts (see measure_trainer)
+            F.cross_entropy(model(tokens[:, :-1]).reshape(-1, a["vocab"]), tokens[:, 1:].reshape(-1)).backward()
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, a["vocab"]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss.item()
+        dist.barrier()
+        if i >= a["warmup"]:
+            times.append((time.perf_counter() - start) * 1e3)
+        if rank == 0:
+            open(os.path.join(baton, "loom_%d" % i), "w").close()
+    if rank == 0:
+        print("step_ms", " ".join("%.6g" % t for t in times), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        for key in a:
+            if key not in ("init", "bucket_mib", "baton"):
+                a[key] = int(a[key])
+        a["bucket_mib"] = float(a["bucket_mib"])
+        mp.spawn(worker, args=(a,), nprocs=a["ranks"])
+    except BaseException:
+        open(os.path.join(baton, "failed"), "w").close()
+        raise
+)PY";
+
+// Starts the Python DDP peer taking turns through `baton`; nothing (with a note on stderr)
+// when it cannot start.
+std::optional<loom::util::Subprocess> start_python_ddp(const Settings& s,
+                                                       const std::filesystem::path& dir,
+                                                       const std::filesystem::path& baton) {
+  const std::filesystem::path script = dir / "python_ddp.py";
+  std::ofstream(script) << kPythonDdp;
+  std::vector<std::string> argv = {s.python, script.string()};
+  const std::pair<const char*, std::string> args[] = {{"ranks", "2"},
+                                                      {"vocab", std::to_string(s.vocab)},
+                                                      {"dim", std::to_string(s.dim)},
+                                                      {"layers", std::to_string(s.layers)},
+                                                      {"heads", std::to_string(s.heads)},
+                                                      {"seq", std::to_string(s.seq)},
+                                                      {"batch", std::to_string(s.batch)},
+                                                      {"steps", std::to_string(s.steps)},
+                                                      {"warmup", std::to_string(s.warmup)},
+                                                      {"threads", std::to_string(s.threads)},
+                                                      {"bucket_mib", std::to_string(s.bucket_mib)},
+                                                      {"init", (dir / "python_ddp.init").string()},
+                                                      {"baton", baton.string()}};
+  for (const auto& [key, value] : args) argv.push_back(std::string(key) + "=" + value);
+  try {
+    return loom::util::Subprocess::spawn({.argv = argv, .output = dir / "python_ddp.out"});
+  } catch (const std::exception& e) {
+    std::cerr << "bench_train: note: Python DDP rows skipped: " << e.what() << "\n";
+    return std::nullopt;
+  }
+}
+
+// The Python DDP step of every measured round in ms, or nothing (with a note on stderr) when
+// it did not run to the end.
+std::vector<double> finish_python_ddp(const Settings& s, const std::filesystem::path& dir,
+                                      loom::util::Subprocess& python) {
+  const loom::util::ExitStatus status = python.wait();
+  std::ifstream in(dir / "python_ddp.out");
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  const size_t at = text.rfind("step_ms ");
+  if (!status.ok() || at == std::string::npos) {
+    std::cerr << "bench_train: note: Python DDP rows skipped: " << s.python << " "
+              << status.describe() << " (python3 with torch needed; --python to choose):\n"
+              << text.substr(text.size() > 2000 ? text.size() - 2000 : 0) << "\n";
+    return {};
+  }
+  std::istringstream line(text.substr(at + 8));
+  return read_line(line);
+}
+
+}  // namespace
+
+int run_trainer_parent(Settings s, const std::string& self) {
+  const std::filesystem::path dir = scratch_dir();
+  s.dataset = (dir / "tokens").string();
+  write_token_dataset(s, s.dataset);
+  const double params_m = parameter_count(*make_model(s)) / 1e6;
+  if (!s.json) {
+    std::printf(
+        "bench_train --mode=trainer: %.2fM-parameter transformer (%lld layers, dim %lld, "
+        "vocab %lld), %lld x %lld tokens per rank, %d thread(s) per rank, AdamW, clip 1.0, "
+        "median of %d rounds after %d warmup; every round runs one step of each loop, and at 2 "
+        "ranks one of Python DDP, in turn, on the same batches\n",
+        params_m, (long long)s.layers, (long long)s.dim, (long long)s.vocab, (long long)s.batch,
+        (long long)s.seq, s.threads, s.steps, s.warmup);
+    std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
+                "unit", "ratio");
+  }
+  // ratio: the baseline's median step / the Trainer's; median_round_ratio: the median of the
+  // same ratio taken round by round; spread: (max - min) / median over the rounds.
+  auto emit_row = [&](const std::string& name, const std::vector<double>& loom_ms,
+                      const std::vector<double>& base_ms, const std::string& base_name) {
+    auto spread_pct = [](const std::vector<double>& v) {
+      return (*std::max_element(v.begin(), v.end()) - *std::min_element(v.begin(), v.end())) /
+             median(v) * 100;
+    };
+    emit(s, {"train",
+             name,
+             median(loom_ms),
+             median(base_ms),
+             base_name,
+             "ms",
+             median(base_ms) / median(loom_ms),
+             {{"params_m", params_m},
+              {"rounds", static_cast<double>(loom_ms.size())},
+              {"median_round_ratio", median_ratio(base_ms, loom_ms)},
+              {"loom_spread_pct", spread_pct(loom_ms)},
+              {"baseline_spread_pct", spread_pct(base_ms)}}});
+  };
+  for (int ranks : {1, 2}) {
+    s.ranks = ranks;
+    const std::filesystem::path run = dir / loom::detail::concat("w", ranks);
+    // At 2 ranks Python DDP runs at the same time, taking turns with Loom round by round.
+    std::optional<loom::util::Subprocess> python;
+    s.baton.clear();
+    if (ranks == 2) {
+      const std::filesystem::path baton = dir / "baton";
+      std::filesystem::create_directories(baton);
+      python = start_python_ddp(s, dir, baton);
+      if (python) s.baton = baton.string();
+    }
+    if (!run_ranks(s, self, run)) {
+      std::cerr << "bench_train: rank logs kept in " << dir << std::endl;
+      return 1;
+    }
+    std::ifstream in(run / "times.txt");
+    TrainerTimes t{read_line(in), read_line(in), read_line(in)};
+    LOOM_CHECK(!t.trainer.empty() && t.trainer.size() == t.hand_dp.size() &&
+                   t.trainer.size() == t.hand_plain.size(),
+               loom::Error, "no times from the ", ranks, "-rank run");
+    const std::string suffix = ranks == 1 ? "/1rank" : "/2ranks";
+    emit_row("trainer_overhead" + suffix, t.trainer, t.hand_dp, "hand_loop_dataparallel");
+    emit_row("trainer_vs_plain" + suffix, t.trainer, t.hand_plain,
+             ranks == 1 ? "hand_loop_libtorch" : "hand_loop_allreduce_after_backward");
+    if (python) {
+      const std::vector<double> python_ms = finish_python_ddp(s, dir, *python);
+      if (python_ms.size() == t.trainer.size()) {
+        emit_row("trainer_vs_python_ddp/2ranks", t.trainer, python_ms, "pytorch_python_ddp_gloo");
+      } else if (!python_ms.empty()) {
+        std::cerr << "bench_train: note: Python DDP rows skipped: " << python_ms.size()
+                  << " rounds from Python, " << t.trainer.size() << " from Loom\n";
+      }
+    }
+  }
+  std::filesystem::remove_all(dir);
+  return 0;
+}
+}  // namespace bench_train
