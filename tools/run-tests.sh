@@ -4,6 +4,7 @@
 #                                   and the fuzzers
 #   tools/run-tests.sh -LE slow     ctest arguments pass through (here: skip the slow ones)
 #   tools/run-tests.sh --sanitize=address,undefined   only the unit tests under ASan + UBSan
+#   tools/run-tests.sh --sanitize=address,undefined --integration   and the integration tests
 #   tools/run-tests.sh --sanitize=thread              only the multi-threaded ones under TSan
 # With no arguments, the unit tests then run under each sanitizer in $LOOM_SANITIZERS
 # ("address,undefined thread"; "none" skips them; tools/sanitize.sh), and every fuzzer for
@@ -17,8 +18,7 @@ start=$(date +%s)
 tools/install-deps.sh
 
 if [[ ${1:-} == --sanitize=* ]]; then
-  [[ $# -eq 1 ]] || { echo "run-tests: --sanitize=MODE takes no other arguments" >&2; exit 2; }
-  exec tools/sanitize.sh "${1#--sanitize=}"
+  exec tools/sanitize.sh "${1#--sanitize=}" "${@:2}"
 fi
 
 echo "run-tests: building the CPU configuration (LOOM_WITH_CUDA=OFF)"

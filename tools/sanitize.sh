@@ -3,6 +3,11 @@
 # code instrumented; libtorch, Gloo and gRPC as Debian ships them):
 #
 #   tools/sanitize.sh address,undefined   ASan + UBSan (build-asan): every unit test binary
+#   tools/sanitize.sh address,undefined --integration
+#                                         the same, then the integration tests, whose processes
+#                                         (the loom tool, the test programs, the GPT example)
+#                                         are ASan builds too: about 18 min more to build from
+#                                         a cold cache and 9 min to run, so CI leaves it out
 #   tools/sanitize.sh thread              TSan (build-tsan): the multi-threaded areas' binaries
 #                                         (collectives, checkpoint writer and I/O queue, reader
 #                                         prefetch and remote cache, heartbeat and coordinator,
@@ -17,11 +22,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-  echo "usage: tools/sanitize.sh address,undefined|thread" >&2
+  echo "usage: tools/sanitize.sh address,undefined [--integration] | tools/sanitize.sh thread" >&2
   exit 2
 }
-[[ $# -eq 1 ]] || usage
+[[ $# -eq 1 || ($# -eq 2 && $1 == address,undefined && $2 == --integration) ]] || usage
 mode=$1
+integration=false
+[[ ${2:-} == --integration ]] && integration=true
 case $mode in
   address,undefined)
     dir=build-asan
@@ -35,12 +42,15 @@ case $mode in
 esac
 targets=()
 for a in "${areas[@]}"; do targets+=("loom_${a}_tests"); done
+# The examples are configured always (so that the cache never flips) and built only for the
+# integration tests, which run the GPT example.
+$integration && targets+=(loom_integration_tests)
 
 start=$(date +%s)
 echo "sanitize.sh: building ${targets[*]} with -fsanitize=$mode into $dir"
 LOOM_BUILD_DIR=$dir LOOM_OPT_FLAGS=-O1 LOOM_TARGETS="${targets[*]}" tools/build.sh \
   -DLOOM_WITH_CUDA=OFF -DLOOM_SANITIZE="$mode" -DLOOM_BUILD_BENCHMARKS=OFF \
-  -DLOOM_BUILD_EXAMPLES=OFF
+  -DLOOM_BUILD_EXAMPLES="$([[ $mode == thread ]] && echo OFF || echo ON)"
 
 supp=$PWD/tests/sanitizers
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:print_suppressions=0"
@@ -65,6 +75,17 @@ for a in "${areas[@]}"; do
     failed+=("loom_${a}_tests")
   fi
 done
+if $integration; then
+  log=$dir/logs/loom_integration_tests.log
+  t0=$(date +%s)
+  if "$dir/tests/loom_integration_tests" --gtest_brief=1 > "$log" 2>&1; then
+    echo "sanitize.sh: $mode: loom_integration_tests passed in $(( $(date +%s) - t0 )) s"
+  else
+    tail -80 "$log"
+    echo "sanitize.sh: $mode: loom_integration_tests FAILED (whole log: $log)" >&2
+    failed+=(loom_integration_tests)
+  fi
+fi
 if [[ ${#failed[@]} -gt 0 ]]; then
   echo "sanitize.sh: $mode: failed: ${failed[*]}" >&2
   exit 1
