@@ -34,7 +34,6 @@
 namespace loom::testing {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 constexpr size_t kLogTailLines = 20;
 
