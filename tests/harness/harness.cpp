@@ -34,7 +34,6 @@
 namespace loom::testing {
 namespace {
 
-
 constexpr size_t kLogTailLines = 20;
 
 std::string type_name(const std::type_info& type) {
