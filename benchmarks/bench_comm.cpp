@@ -21,10 +21,10 @@
 #include <functional>
 #include <iostream>
 
+#include "bench_ranks.h"
 #include "bench_report.h"
 #include "loom/comm/gloo.h"
 #include "loom/error.h"
-#include "util/subprocess.h"
 
 namespace {
 
@@ -288,7 +288,7 @@ int run_parent(const Settings& s, const std::string& self) {
   std::filesystem::path dir =
       std::filesystem::temp_directory_path() / loom::detail::concat("loom-bench-comm-", ::getpid());
   std::filesystem::create_directories(dir);
-  const auto worker = [&](int r) {
+  const auto worker_argv = [&](int r) {
     std::vector<std::string> argv = {self,
                                      "--worker-rank=" + std::to_string(r),
                                      "--store-dir=" + dir.string(),
@@ -304,27 +304,14 @@ int run_parent(const Settings& s, const std::string& self) {
     for (const auto& op : s.ops) ops += (ops.empty() ? "" : ",") + op;
     argv.push_back("--ops=" + ops);
     if (s.json) argv.push_back("--json");
-    loom::util::SubprocessOptions options{.argv = argv};
-    if (r != 0) options.output = dir / loom::detail::concat("rank_", r, ".log");
-    return options;
+    return argv;
   };
-  // A rank that fails leaves the others in a collective: they get a minute, not their deadline.
-  const auto statuses =
-      loom::util::run_rank_processes(s.ranks, worker, {.after_failure = std::chrono::minutes(1)});
-  int status = 0;
-  for (int r = 0; r < s.ranks; ++r) {
-    if (!statuses[r] || !statuses[r]->ok()) {
-      std::cerr << "bench_comm: rank " << r << " "
-                << (statuses[r] ? statuses[r]->describe() : "was killed after another failed")
-                << std::endl;
-      status = 1;
-    }
-  }
-  if (status == 0)
-    std::filesystem::remove_all(dir);
-  else
+  if (!loom::bench::run_worker_ranks("bench_comm", s.ranks, dir, worker_argv)) {
     std::cerr << "bench_comm: rank logs kept in " << dir << std::endl;
-  return status;
+    return 1;
+  }
+  std::filesystem::remove_all(dir);
+  return 0;
 }
 
 }  // namespace

@@ -8,8 +8,8 @@
 #include <cstdio>
 #include <iostream>
 
+#include "bench_ranks.h"
 #include "loom/error.h"
-#include "util/subprocess.h"
 
 namespace bench_train {
 
@@ -85,24 +85,8 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& self,
 // in dir/rank_<r>.log); returns whether all of them succeeded.
 bool run_ranks(const Settings& s, const std::string& self, const std::filesystem::path& dir) {
   std::filesystem::create_directories(dir);
-  const auto worker = [&](int r) {
-    loom::util::SubprocessOptions options{.argv = worker_argv(s, self, r, dir)};
-    if (r != 0) options.output = dir / loom::detail::concat("rank_", r, ".log");
-    return options;
-  };
-  // A rank that fails leaves the others in a collective: they get a minute, not their deadline.
-  const auto statuses =
-      loom::util::run_rank_processes(s.ranks, worker, {.after_failure = std::chrono::minutes(1)});
-  bool ok = true;
-  for (int r = 0; r < s.ranks; ++r) {
-    if (!statuses[r] || !statuses[r]->ok()) {
-      std::cerr << "bench_train: rank " << r << " "
-                << (statuses[r] ? statuses[r]->describe() : "was killed after another failed")
-                << std::endl;
-      ok = false;
-    }
-  }
-  return ok;
+  return loom::bench::run_worker_ranks("bench_train", s.ranks, dir,
+                                       [&](int r) { return worker_argv(s, self, r, dir); });
 }
 
 std::filesystem::path scratch_dir() {

@@ -123,11 +123,12 @@ struct SnapshotReplication::Impl {
   // One round: the newest step node 0 committed, completed here from the predecessor.
   void pull_once(const std::string& from, const std::string& manifests) {
     const json committed = manifests.empty() ? index() : fetch_index(manifests);
+    const std::string where =
+        manifests.empty() ? "this node's snapshot index" : manifests + "/index";
     int64_t newest = -1, manifest_bytes = -1;
     for (const json& s : committed.at("steps")) {
-      const auto step = util::integer_field<int64_t>(s.at("step"), "step", "snapshot index");
-      const auto manifest =
-          util::integer_field<int64_t>(s.at("manifest"), "manifest", "snapshot index");
+      const auto step = util::integer_field<int64_t>(s.at("step"), "step", where);
+      const auto manifest = util::integer_field<int64_t>(s.at("manifest"), "manifest", where);
       if (manifest >= 0 && step > newest) {
         newest = step;
         manifest_bytes = manifest;

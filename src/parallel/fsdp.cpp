@@ -23,9 +23,9 @@
 #include "loom/error.h"
 #include "loom/metrics/allocations.h"
 #include "optim/sum_of_squares.h"
+#include "parallel/optim_blob.h"
 #include "util/deadline.h"
 #include "util/dtype.h"
-#include "util/json.h"
 
 namespace loom::parallel {
 
@@ -998,25 +998,8 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
   void load_state(const ckpt::State& source) {
     std::map<std::string, const ckpt::TensorEntry*> by_name;
     for (const ckpt::TensorEntry& entry : source.tensors) by_name[entry.name] = &entry;
-    const auto blob = source.blobs.find("optim");
-    LOOM_CHECK(blob != source.blobs.end(), InvalidArgument,
-               "FSDP::load_state: the state has no 'optim' blob");
-    std::string saved_optimizer;
-    int64_t saved_steps = 0;
-    try {
-      const nlohmann::json json = nlohmann::json::parse(blob->second);
-      saved_optimizer = json.at("optimizer").get<std::string>();
-      saved_steps = util::integer_field<int64_t>(json.at("step"), "step", "");
-    } catch (const nlohmann::json::exception& e) {
-      throw CorruptData(loom::detail::concat("FSDP::load_state: the 'optim' blob is corrupt (",
-                                             e.what(), "): ", blob->second));
-    } catch (const CorruptData& e) {
-      throw CorruptData(loom::detail::concat("FSDP::load_state: the 'optim' blob is corrupt (",
-                                             e.what(), "): ", blob->second));
-    }
-    LOOM_CHECK(!optimizer || saved_optimizer == optimizer->name(), InvalidArgument,
-               "FSDP::load_state: the state was saved with optimizer '", saved_optimizer,
-               "' but this one is '", optimizer->name(), "'");
+    const int64_t saved_steps =
+        internal::read_optim_blob(source, optimizer.get(), "FSDP::load_state");
     torch::NoGradGuard no_grad;
     wait_gathers_in_flight("loading state");
     for_each_state_tensor([&](const std::string& name, const at::Tensor& t,
