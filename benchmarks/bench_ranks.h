@@ -19,14 +19,15 @@ namespace loom::bench {
 // leaves the others in a collective: they get a minute, not their own deadline.
 inline bool run_worker_ranks(const char* bench, int ranks, const std::filesystem::path& dir,
                              const std::function<std::vector<std::string>(int rank)>& argv_for) {
-  const auto statuses = util::run_rank_processes(
-      ranks,
-      [&](int r) {
-        util::SubprocessOptions options{.argv = argv_for(r)};
-        if (r != 0) options.output = dir / detail::concat("rank_", r, ".log");
-        return options;
-      },
-      {.after_failure = std::chrono::minutes(1)});
+  const auto statuses =
+      util::run_rank_processes(ranks,
+                               [&](int r) {
+                                 util::SubprocessOptions options{.argv = argv_for(r)};
+                                 if (r != 0)
+                                   options.output = dir / detail::concat("rank_", r, ".log");
+                                 return options;
+                               },
+                               {.after_failure = std::chrono::minutes(1)});
   bool ok = true;
   for (int r = 0; r < ranks; ++r) {
     if (statuses[r] && statuses[r]->ok()) continue;

@@ -14,8 +14,8 @@ int64_t read_optim_blob(const ckpt::State& source, const optim::FlatOptimizer* o
   const auto blob = source.blobs.find("optim");
   LOOM_CHECK(blob != source.blobs.end(), InvalidArgument, who, ": the state has no 'optim' blob");
   const auto corrupt = [&](const char* why) {
-    return CorruptData(detail::concat(who, ": the 'optim' blob is corrupt (", why,
-                                      "): ", blob->second));
+    return CorruptData(
+        detail::concat(who, ": the 'optim' blob is corrupt (", why, "): ", blob->second));
   };
   std::string saved_optimizer;
   int64_t saved_steps = 0;
