@@ -225,19 +225,19 @@ inline void expect_close_per_element(const at::Tensor& actual, const at::Tensor&
                 << expected.detach().reshape({-1})[worst].item<double>();
 }
 
-// Every parameter of `model` within `tolerance` of the reference (bitwise when 0).
+// Every parameter of `model` against the reference: bitwise when `rtol` is 0, else per element
+// within rtol x (|expected| + rms(expected)) (expect_close_per_element).
 inline void expect_parameters_match(Mlp& model, const std::map<std::string, at::Tensor>& expected,
-                                    double tolerance, const std::string& what) {
+                                    double rtol, const std::string& what) {
   for (const auto& item : model.named_parameters()) {
-    const at::Tensor& actual = item.value();
+    const at::Tensor actual = item.value().detach();
     const at::Tensor& reference = expected.at(item.key());
-    if (tolerance == 0) {
-      EXPECT_TRUE(actual.detach().equal(reference))
+    if (rtol == 0) {
+      EXPECT_TRUE(actual.equal(reference))
           << what << ": " << item.key() << " differs from the reference (bitwise expected), "
-          << "relative error " << relative_error(actual.detach(), reference);
+          << "relative error " << relative_error(actual, reference);
     } else {
-      EXPECT_LE(relative_error(actual.detach(), reference), tolerance)
-          << what << ": " << item.key();
+      expect_close_per_element(actual, reference, what + ": " + item.key(), rtol);
     }
   }
 }

@@ -1,7 +1,7 @@
 // FullyShardedDataParallel with ranks as threads: training against single-process torch::optim
-// for W = 1..4 (bitwise at W = 1), the mixed-precision policy (whole model and per unit),
-// prefetch, memory against DataParallel, checkpoints across world sizes, policies and into
-// DataParallel, and bad input (overlapping units, mismatched models, non-floating dtypes).
+// for W = 1..4 (fsdp_equivalence.h; bitwise at W = 1), the mixed-precision policy (whole model
+// and per unit), prefetch, memory against DataParallel, checkpoints across world sizes, policies
+// and into DataParallel, and bad input (overlapping units, mismatched models, non-floating dtypes).
 
 #include "loom/parallel/fsdp.h"
 
@@ -22,6 +22,7 @@
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
 #include "unit/parallel/equivalence.h"
+#include "unit/parallel/fsdp_equivalence.h"
 
 namespace loom::parallel {
 namespace {
@@ -29,234 +30,26 @@ namespace {
 using loom::testing::expect_all_ok;
 using loom::testing::Rank;
 using loom::testing::run_threads;
+using loom::testing::fsdp::Block;
+using loom::testing::fsdp::expect_match;
+using loom::testing::fsdp::loss_of;
+using loom::testing::fsdp::make_model;
+using loom::testing::fsdp::Parameters;
+using loom::testing::fsdp::reference_training;
+using loom::testing::fsdp::Shape;
+using loom::testing::fsdp::train;
+using loom::testing::fsdp::train_fsdp;
 using loom::testing::parallel::adamw_options;
 using loom::testing::parallel::global_batch;
 using loom::testing::parallel::make_flat_optimizer;
-using loom::testing::parallel::relative_error;
 using loom::testing::parallel::rows_of;
 using loom::testing::parallel::Scenario;
 using loom::testing::parallel::sgd_options;
-using Parameters = std::map<std::string, at::Tensor>;
 
 std::unique_ptr<comm::Group> make_group(Rank& r) {
   comm::GlooOptions options;
   options.connect_timeout = std::chrono::seconds(20);
   return comm::new_gloo_group(r.store, r.rank, r.world, options);
-}
-
-// A block with the common signature; the test model is a Sequential of them plus a head that
-// is in no unit (the root unit).
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t in, int64_t out) : fc(register_module("fc", torch::nn::Linear(in, out))) {}
-  at::Tensor forward(const at::Tensor& x) { return torch::tanh(fc(x)); }
-  torch::nn::Linear fc;
-};
-TORCH_MODULE(Block);
-
-struct Shape {
-  int blocks = 3;
-  int64_t hidden = 16;
-};
-
-struct BlockMlp : torch::nn::Module {
-  explicit BlockMlp(const Shape& shape) {
-    blocks = register_module("blocks", torch::nn::Sequential());
-    for (int b = 0; b < shape.blocks; ++b)
-      blocks->push_back(Block(b == 0 ? 8 : shape.hidden, shape.hidden));
-    head = register_module("head", torch::nn::Linear(shape.hidden, 4));
-  }
-  at::Tensor forward(const at::Tensor& x) { return head(blocks->forward(x)); }
-  torch::nn::Sequential blocks{nullptr};
-  torch::nn::Linear head{nullptr};
-};
-
-// Deterministic parameters by name, the same for the wrapped and the unwrapped model.
-std::shared_ptr<BlockMlp> make_model(const Shape& shape, at::ScalarType dtype, bool wrap) {
-  auto model = std::make_shared<BlockMlp>(shape);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
-  torch::NoGradGuard no_grad;
-  for (auto& item : model->named_parameters()) {
-    at::Tensor& p = item.value();
-    p.copy_(at::randn(p.sizes(), gen) * 0.3 * std::sqrt(8.0 / static_cast<double>(p.size(-1))));
-  }
-  model->to(dtype);
-  if (wrap) {
-    EXPECT_EQ(wrap_modules<BlockImpl>(model->blocks), shape.blocks);
-  }
-  return model;
-}
-
-at::Tensor loss_of(BlockMlp& model, const at::Tensor& x, const at::Tensor& y,
-                   at::ScalarType dtype) {
-  return (model.forward(x.to(dtype)) - y.to(dtype)).square().mean();
-}
-
-struct Reference {
-  bool reduce_fp32 = false;  // the bf16 gradients are averaged in fp32, not rounded
-  bool mixed = false;        // the param_dtype = bf16 policy on the fp32 model
-  bool per_rank = true;      // bf16: each rank's gradient rounded, then averaged; else one backward
-};
-
-// equivalence.h's reference_training on the block model: torch::optim on the concatenated
-// batch; bf16 as the ranks compute it (per-rank bf16 gradients averaged in fp32, rounded once).
-// reduce_fp32: the bf16 gradients are averaged in fp32 and not rounded (FsdpOptions::reduce_dtype).
-// mixed: the masters are the fp32 model's parameters, forward and backward run on their bf16
-// copies (rounded from the masters every step), and the masters are returned. !per_rank: the
-// bf16 gradient of the concatenated batch in one backward, converted to fp32 (no accumulation).
-Parameters reference_training(int world, const Scenario& s, const Shape& shape,
-                              const Reference& how = {}) {
-  const bool bf16 = s.bf16 || how.mixed;
-  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
-  auto model = make_model(shape, dtype, /*wrap=*/false);
-  std::vector<at::Tensor> params = model->parameters();
-  std::vector<at::Tensor> masters;
-  if (how.mixed) {
-    for (const at::Tensor& p : make_model(shape, at::kFloat, /*wrap=*/false)->parameters())
-      masters.push_back(p.detach().clone().requires_grad_(true));
-  } else {
-    for (const at::Tensor& p : params)
-      masters.push_back(p.detach().to(at::kFloat).requires_grad_(true));
-  }
-  std::vector<at::Tensor>& stepped = bf16 ? masters : params;
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  if (s.adamw) {
-    const auto o = adamw_options();
-    opt = std::make_unique<torch::optim::AdamW>(
-        stepped, torch::optim::AdamWOptions(o.lr).eps(o.eps).weight_decay(o.weight_decay));
-  } else {
-    const auto o = sgd_options();
-    opt = std::make_unique<torch::optim::SGD>(
-        stepped, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
-  }
-  for (int step = 0; step < s.steps; ++step) {
-    const auto [x, y] = global_batch(step, world, s);
-    if (!bf16) {
-      for (at::Tensor& p : params) p.mutable_grad() = at::Tensor();
-      loss_of(*model, x, y, dtype).backward();
-      if (s.clip > 0) torch::nn::utils::clip_grad_norm_(params, s.clip);
-      opt->step();
-      continue;
-    }
-    if (!how.per_rank) {
-      for (at::Tensor& p : params) p.mutable_grad() = at::Tensor();
-      loss_of(*model, x, y, dtype).backward();
-      torch::NoGradGuard no_grad;
-      for (size_t i = 0; i < params.size(); ++i)
-        masters[i].mutable_grad() = params[i].grad().to(at::kFloat);
-      if (s.clip > 0) torch::nn::utils::clip_grad_norm_(masters, s.clip);
-      opt->step();
-      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
-      continue;
-    }
-    std::vector<at::Tensor> sums;
-    for (const at::Tensor& p : params) sums.push_back(at::zeros_like(p, at::kFloat));
-    for (int r = 0; r < world; ++r) {
-      for (at::Tensor& p : params) p.mutable_grad() = at::zeros_like(p);
-      for (int m = 0; m < s.micro_steps; ++m) {
-        (loss_of(*model, rows_of(x, r, m, s), rows_of(y, r, m, s), dtype) / s.micro_steps)
-            .backward();
-      }
-      for (size_t i = 0; i < params.size(); ++i) sums[i] += params[i].grad().to(at::kFloat);
-    }
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params.size(); ++i) {
-      masters[i].mutable_grad() =
-          how.reduce_fp32 ? sums[i] / world : (sums[i] / world).to(at::kBFloat16).to(at::kFloat);
-    }
-    if (s.clip > 0) torch::nn::utils::clip_grad_norm_(masters, s.clip);
-    opt->step();
-    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
-  }
-  Parameters out;
-  const auto named = model->named_parameters();
-  for (size_t i = 0; i < named.size(); ++i) {
-    out[named[i].key()] = (how.mixed ? masters[i] : named[i].value()).detach().clone();
-  }
-  return out;
-}
-
-// The loss under a param_dtype policy: the fp32 input enters the first unit, which casts it.
-at::Tensor policy_loss_of(BlockMlp& model, const at::Tensor& x, const at::Tensor& y,
-                          at::ScalarType param_dtype) {
-  return (model.forward(x) - y.to(param_dtype)).square().mean();
-}
-
-// This rank's part of training the scenario with FSDP (no_sync for all but the last
-// micro-step); returns the gathered parameters.
-void train(FullyShardedDataParallel& fsdp, BlockMlp& model, int rank, int world,
-           const Scenario& s) {
-  const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
-  const std::optional<at::ScalarType> policy = fsdp.options().param_dtype;
-  for (int step = 0; step < s.steps; ++step) {
-    const auto [x, y] = global_batch(step, world, s);
-    fsdp.zero_grad();
-    for (int m = 0; m < s.micro_steps; ++m) {
-      fsdp.set_sync(m + 1 == s.micro_steps);
-      const at::Tensor xs = rows_of(x, rank, m, s), ys = rows_of(y, rank, m, s);
-      const at::Tensor loss =
-          policy ? policy_loss_of(model, xs, ys, *policy) : loss_of(model, xs, ys, dtype);
-      (loss / s.micro_steps).backward();
-    }
-    fsdp.finish_gradient_sync();
-    if (s.clip > 0) fsdp.clip_grad_norm(s.clip);
-    fsdp.step();
-  }
-}
-
-Parameters train_fsdp(comm::Group& group, const Scenario& s, const Shape& shape,
-                      const FsdpOptions& options) {
-  auto model = make_model(shape, s.bf16 ? at::kBFloat16 : at::kFloat, /*wrap=*/true);
-  if (group.rank() != 0) {  // the broadcast at construction must overwrite these
-    torch::NoGradGuard no_grad;
-    for (at::Tensor& p : model->parameters()) p.add_(1.0);
-  }
-  FullyShardedDataParallel fsdp(model, group, options);
-  EXPECT_EQ(fsdp.unit_count(), shape.blocks + 1);
-  fsdp.set_optimizer(make_flat_optimizer(s));
-  train(fsdp, *model, group.rank(), group.size(), s);
-  EXPECT_EQ(fsdp.step_count(), s.steps);
-  EXPECT_EQ(model->blocks[0]->as<FsdpUnitImpl>()->named_parameters()["fc.weight"].numel(), 0)
-      << "a unit's parameters are freed outside its forward and backward";
-  return fsdp.gather_full_parameters();
-}
-
-void expect_match(const Parameters& actual, const Parameters& expected, double tolerance,
-                  const std::string& what) {
-  ASSERT_EQ(actual.size(), expected.size()) << what;
-  for (const auto& [name, reference] : expected) {
-    const at::Tensor& got = actual.at(name);
-    if (tolerance == 0) {
-      EXPECT_TRUE(got.equal(reference)) << what << ": " << name << " differs (bitwise expected), "
-                                        << "relative error " << relative_error(got, reference);
-    } else {
-      EXPECT_LE(relative_error(got, reference), tolerance) << what << ": " << name;
-    }
-  }
-}
-
-struct Case {
-  Scenario scenario;
-  FsdpOptions options;
-};
-
-std::vector<Case> cases() {
-  std::vector<Case> out;
-  out.push_back({{.name = "adamw"}, {}});
-  out.push_back(
-      {{.name = "sgd-accumulate-clip", .adamw = false, .micro_steps = 2, .clip = 0.05}, {}});
-  out.push_back({{.name = "adamw-clip", .clip = 0.05}, {}});
-  out.push_back({{.name = "adamw-bf16-accumulate", .micro_steps = 2, .bf16 = true}, {}});
-  out.push_back({{.name = "adamw-bf16-reduce-fp32-accumulate", .micro_steps = 2, .bf16 = true},
-                 {.reduce_dtype = at::kFloat}});
-  out.push_back({{.name = "adamw-keep-gathered-no-prefetch"},
-                 {.reshard_after_forward = false, .prefetch = false}});
-  // The mixed-precision policy on the fp32 model: bf16 compute, fp32 shards as masters.
-  out.push_back({{.name = "adamw-param-bf16"}, {.param_dtype = at::kBFloat16}});
-  out.push_back({{.name = "adamw-param-bf16-keep-gathered", .clip = 0.05},
-                 {.reshard_after_forward = false, .param_dtype = at::kBFloat16}});
-  out.push_back({{.name = "adamw-param-bf16-reduce-fp32-accumulate", .micro_steps = 2},
-                 {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat}});
-  return out;
 }
 
 class FsdpWorld : public ::testing::TestWithParam<int> {
@@ -265,33 +58,9 @@ class FsdpWorld : public ::testing::TestWithParam<int> {
 };
 
 TEST_P(FsdpWorld, TrainsLikeSingleProcessTorchOptim) {
-  const int world = GetParam();
-  const Shape shape;
-  expect_all_ok(run_threads(world, [&](Rank& r) {
+  expect_all_ok(run_threads(GetParam(), [](Rank& r) {
     auto group = make_group(r);
-    for (Case c : cases()) {
-      c.options.timeout = std::chrono::seconds(60);
-      const Scenario& s = c.scenario;
-      const Parameters expected =
-          reference_training(world, s, shape,
-                             {.reduce_fp32 = c.options.reduce_dtype.has_value(),
-                              .mixed = c.options.param_dtype.has_value()});
-      const Parameters actual = train_fsdp(*group, s, shape, c.options);
-      const Parameters init = [&] {
-        Parameters p;
-        for (const auto& item : make_model(shape, at::kFloat, false)->named_parameters())
-          p[item.key()] = item.value().detach().clone();
-        return p;
-      }();
-      EXPECT_GT(relative_error(actual.at("blocks.1.fc.weight").to(at::kFloat),
-                               init.at("blocks.1.fc.weight")),
-                1e-3)
-          << s.name << ": training moved the parameters";
-      // Bitwise where DataParallel is: W = 1 without accumulation or clipping.
-      const bool bitwise = world == 1 && s.micro_steps == 1 && s.clip == 0;
-      expect_match(actual, expected, bitwise ? 0.0 : 1e-6,
-                   "fsdp/" + s.name + " at W=" + std::to_string(world));
-    }
+    loom::testing::fsdp::check_equivalence(*group);
   }));
 }
 
