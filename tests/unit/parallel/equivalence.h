@@ -8,6 +8,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -92,6 +93,24 @@ inline at::Tensor loss_of(Mlp& model, const at::Tensor& x, const at::Tensor& y,
   return (model.forward(x.to(dtype)) - y.to(dtype)).square().mean();
 }
 
+// The gradient the ranks reduce, computed in one process: rank r's micro-batches accumulate
+// gradients of loss(r, m) / micro_steps in the parameters' dtype, as the rank does, and the
+// ranks' gradients are summed in fp32 and divided by `world`. The parameters' .grad() is
+// overwritten.
+inline std::vector<at::Tensor> rank_average_gradients(
+    std::vector<at::Tensor>& params, int world, const Scenario& s,
+    const std::function<at::Tensor(int rank, int micro)>& loss) {
+  std::vector<at::Tensor> sums;
+  for (const at::Tensor& p : params) sums.push_back(at::zeros_like(p, at::kFloat));
+  for (int r = 0; r < world; ++r) {
+    for (at::Tensor& p : params) p.mutable_grad() = at::zeros_like(p);
+    for (int m = 0; m < s.micro_steps; ++m) (loss(r, m) / s.micro_steps).backward();
+    for (size_t i = 0; i < params.size(); ++i) sums[i] += params[i].grad().to(at::kFloat);
+  }
+  for (at::Tensor& sum : sums) sum /= world;
+  return sums;
+}
+
 // Single-process training on the concatenated batch with torch::optim. For bf16, the
 // reference is computed the way the ranks do it: each rank's micro-batches accumulate bf16
 // gradients; they are averaged in fp32 and rounded to bf16 (what the all-reduce does), and
@@ -128,19 +147,13 @@ inline std::map<std::string, at::Tensor> reference_training(int world, const Sce
       opt->step();
       continue;
     }
-    std::vector<at::Tensor> sums;
-    for (const at::Tensor& p : params) sums.push_back(at::zeros_like(p, at::kFloat));
-    for (int r = 0; r < world; ++r) {
-      for (at::Tensor& p : params) p.mutable_grad() = at::zeros_like(p);
-      for (int m = 0; m < s.micro_steps; ++m) {
-        (loss_of(*model, rows_of(x, r, m, s), rows_of(y, r, m, s), dtype) / s.micro_steps)
-            .backward();
-      }
-      for (size_t i = 0; i < params.size(); ++i) sums[i] += params[i].grad().to(at::kFloat);
-    }
+    const std::vector<at::Tensor> average =
+        rank_average_gradients(params, world, s, [&](int r, int m) {
+          return loss_of(*model, rows_of(x, r, m, s), rows_of(y, r, m, s), dtype);
+        });
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
-      masters[i].mutable_grad() = (sums[i] / world).to(at::kBFloat16).to(at::kFloat);
+      masters[i].mutable_grad() = average[i].to(at::kBFloat16).to(at::kFloat);
     }
     opt->step();
     for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);

@@ -32,6 +32,7 @@ using loom::testing::parallel::adamw_options;
 using loom::testing::parallel::expect_close_per_element;
 using loom::testing::parallel::global_batch;
 using loom::testing::parallel::make_flat_optimizer;
+using loom::testing::parallel::rank_average_gradients;
 using loom::testing::parallel::relative_error;
 using loom::testing::parallel::rows_of;
 using loom::testing::parallel::Scenario;
@@ -142,20 +143,14 @@ inline Parameters reference_training(int world, const Scenario& s, const Shape& 
       for (size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
       continue;
     }
-    std::vector<at::Tensor> sums;
-    for (const at::Tensor& p : params) sums.push_back(at::zeros_like(p, at::kFloat));
-    for (int r = 0; r < world; ++r) {
-      for (at::Tensor& p : params) p.mutable_grad() = at::zeros_like(p);
-      for (int m = 0; m < s.micro_steps; ++m) {
-        (loss_of(*model, rows_of(x, r, m, s), rows_of(y, r, m, s), dtype) / s.micro_steps)
-            .backward();
-      }
-      for (size_t i = 0; i < params.size(); ++i) sums[i] += params[i].grad().to(at::kFloat);
-    }
+    const std::vector<at::Tensor> average =
+        rank_average_gradients(params, world, s, [&](int r, int m) {
+          return loss_of(*model, rows_of(x, r, m, s), rows_of(y, r, m, s), dtype);
+        });
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       masters[i].mutable_grad() =
-          how.reduce_fp32 ? sums[i] / world : (sums[i] / world).to(at::kBFloat16).to(at::kFloat);
+          how.reduce_fp32 ? average[i] : average[i].to(at::kBFloat16).to(at::kFloat);
     }
     if (s.clip > 0) torch::nn::utils::clip_grad_norm_(masters, s.clip);
     opt->step();
