@@ -21,13 +21,14 @@
 #include <vector>
 
 #include "loom/error.h"
+#include "loom/visibility.h"
 
 namespace loom {
 
 enum class ConfigType { kBool, kInt, kFloat, kString };
 
 // "bool", "integer", "float", "string": the words error messages use.
-const char* to_string(ConfigType type);
+LOOM_API const char* to_string(ConfigType type);
 
 using ConfigValue = std::variant<bool, int64_t, double, std::string>;
 
@@ -46,7 +47,7 @@ struct ConfigKey {
 // a malformed name, "config" or "help" (reserved for the command line), two keys that read the
 // same environment variable (a.b and a_b), or a key that is also a table of other keys (train
 // beside train.lr) is InvalidArgument.
-class ConfigSchema {
+class LOOM_API ConfigSchema {
  public:
   ConfigSchema& add(const std::string& name, bool default_value, const std::string& help);
   ConfigSchema& add(const std::string& name, int64_t default_value, const std::string& help);
@@ -79,12 +80,12 @@ struct ConfigSources {
 
 // Thrown by Config::from_args when --help or -h is given; what() is the usage text.
 // Not an error: programs print it and exit 0 (loom::run_main does this).
-class HelpRequested : public Error {
+class LOOM_API HelpRequested : public Error {
  public:
   using Error::Error;
 };
 
-class Config {
+class LOOM_API Config {
  public:
   // Parses argv: --config=FILE (or --config FILE), --key=value (or --key value), --help.
   // Arguments that do not start with "--" are kept in positional(). The environment is read.

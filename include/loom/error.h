@@ -11,46 +11,48 @@
 #include <string>
 #include <utility>
 
+#include "loom/visibility.h"
+
 namespace loom {
 
 // The root: catch this to handle every Loom error.
-class Error : public std::runtime_error {
+class LOOM_API Error : public std::runtime_error {
  public:
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
 // A caller passed a value Loom cannot work with (bad option, wrong shape, wrong world size).
-class InvalidArgument : public Error {
+class LOOM_API InvalidArgument : public Error {
  public:
   using Error::Error;
 };
 
 // A configuration problem: unknown key, wrong type, malformed or missing config file.
-class ConfigError : public InvalidArgument {
+class LOOM_API ConfigError : public InvalidArgument {
  public:
   using InvalidArgument::InvalidArgument;
 };
 
 // A file or system call failed (open, write, fsync, rename, mmap, socket, fork...).
-class IoError : public Error {
+class LOOM_API IoError : public Error {
  public:
   using Error::Error;
 };
 
 // Bytes on disk or on the wire are not what they claim to be (checksum, magic, truncation).
-class CorruptData : public Error {
+class LOOM_API CorruptData : public Error {
  public:
   using Error::Error;
 };
 
 // A wait passed its deadline. The message names what was waited for.
-class Timeout : public Error {
+class LOOM_API Timeout : public Error {
  public:
   using Error::Error;
 };
 
 // A collective or a peer failed: connection lost, peer died, mismatched collective.
-class CommError : public Error {
+class LOOM_API CommError : public Error {
  public:
   using Error::Error;
 };
@@ -65,8 +67,8 @@ std::string concat(Args&&... args) {
 }
 
 // Builds the message for a failed system call from errno, names the call and the place.
-[[noreturn]] void throw_system_error(int err, const char* call, const std::string& context,
-                                     const char* file, int line);
+[[noreturn]] LOOM_API void throw_system_error(int err, const char* call, const std::string& context,
+                                              const char* file, int line);
 
 }  // namespace detail
 }  // namespace loom

@@ -13,13 +13,16 @@
 #include <optional>
 #include <string>
 
+#include "loom/visibility.h"
+
 namespace loom::log {
 
 // "info" -> spdlog::level::info. An unknown name is InvalidArgument listing the valid ones.
-spdlog::level::level_enum parse_level(const std::string& name);
+LOOM_API spdlog::level::level_enum parse_level(const std::string& name);
 
 // A logger writing to stderr (and to `file` when given, appending), tagged "rank r/w".
-std::shared_ptr<spdlog::logger> make_logger(int rank, int world_size, const std::string& level,
-                                            const std::optional<std::filesystem::path>& file);
+LOOM_API std::shared_ptr<spdlog::logger> make_logger(
+    int rank, int world_size, const std::string& level,
+    const std::optional<std::filesystem::path>& file);
 
 }  // namespace loom::log

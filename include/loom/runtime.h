@@ -24,6 +24,7 @@
 #include "loom/config.h"
 #include "loom/control/tls.h"
 #include "loom/log.h"
+#include "loom/visibility.h"
 
 namespace loom {
 
@@ -48,7 +49,7 @@ class DeviceMesh;
 //   tls                LOOM_TLS_CERT, LOOM_TLS_KEY, LOOM_TLS_CA (default empty: plaintext)
 // A value that is not an integer, or a rank outside [0, world_size), is InvalidArgument
 // naming the variable.
-struct Topology {
+struct LOOM_API Topology {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
@@ -73,7 +74,7 @@ struct Topology {
   void validate() const;
 };
 
-class Runtime {
+class LOOM_API Runtime {
  public:
   // The keys Runtime itself reads (run.*, log.*). Programs merge their own keys into these.
   static ConfigSchema schema();
@@ -156,7 +157,7 @@ class Runtime {
                        const std::string& state = "training") const;
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   explicit Runtime(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
@@ -164,7 +165,7 @@ class Runtime {
 // The standard main: Runtime::init, then body(runtime). --help prints the usage to stdout and
 // returns 0; a loom::ConfigError or InvalidArgument prints "error: ..." and returns 2; any other
 // exception prints it and returns 1. Returns 0 when body returns.
-int run_main(int argc, const char* const* argv, const ConfigSchema& program_keys,
-             const std::function<void(Runtime&)>& body);
+LOOM_API int run_main(int argc, const char* const* argv, const ConfigSchema& program_keys,
+                      const std::function<void(Runtime&)>& body);
 
 }  // namespace loom

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "loom/ckpt/state.h"
+#include "loom/visibility.h"
 
 namespace spdlog {
 class logger;
@@ -121,9 +122,9 @@ struct CheckpointInfo {
 
 // The outcome of one save(). Copyable (copies refer to the same save). wait() may be called
 // from any thread and more than once; done() never blocks.
-class SaveHandle {
+class LOOM_API SaveHandle {
  public:
-  struct Job;  // private
+  struct LOOM_HIDDEN Job;  // private
   SaveHandle() = default;
   explicit SaveHandle(std::shared_ptr<Job> job) : job_(std::move(job)) {}
 
@@ -146,7 +147,7 @@ class SaveHandle {
 // thread (the training loop); the writer and copy threads are internal. The Store must outlive the
 // Checkpointer. The destructor completes a save in flight (copying a deferred one first) and
 // logs, never throws, its error.
-class Checkpointer {
+class LOOM_API Checkpointer {
  public:
   static constexpr int64_t kLatest = -1;
 
@@ -194,7 +195,7 @@ class Checkpointer {
   const CheckpointerOptions& options() const;
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::ckpt {
 
 enum class TensorFileFormat {
@@ -27,7 +29,7 @@ enum class TensorFileFormat {
 };
 
 // "torch" or "safetensors"; anything else is InvalidArgument naming both.
-TensorFileFormat parse_tensor_file_format(const std::string& name);
+LOOM_API TensorFileFormat parse_tensor_file_format(const std::string& name);
 
 struct NamedTensor {
   std::string name;
@@ -45,22 +47,22 @@ struct ReadModelOptions {
 // "optim/..." ones; other tensors (the per-rank RNG) are left out. A step without "model/"
 // tensors (a program's own names) gives every tensor under its saved name. No such step is
 // InvalidArgument; bad bytes are CorruptData naming tensor and file.
-std::vector<NamedTensor> read_model_tensors(const std::filesystem::path& ckpt_dir, int64_t step,
-                                            const ReadModelOptions& options);
+LOOM_API std::vector<NamedTensor> read_model_tensors(const std::filesystem::path& ckpt_dir,
+                                                     int64_t step, const ReadModelOptions& options);
 
 // Writes the tensors to `path` (atomically: a temporary file renamed over it). metadata goes
 // to safetensors' "__metadata__" (string -> string); the torch format has no place for it.
 // A dtype the format cannot hold (complex in safetensors) is InvalidArgument naming it.
-void write_tensor_file(const std::filesystem::path& path, TensorFileFormat format,
-                       const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+LOOM_API void write_tensor_file(const std::filesystem::path& path, TensorFileFormat format,
+                                const std::vector<NamedTensor>& tensors,
+                                const std::map<std::string, std::string>& metadata = {});
 
 // Reads a file write_tensor_file, Python's torch.save(dict of tensors) or any safetensors
 // writer made. A file that is not one (truncated, a header or offsets outside the file, an
 // unknown dtype, a torch file whose object is not a dict of tensors) is CorruptData naming
 // the file and what is wrong; a missing file is IoError.
-std::vector<NamedTensor> read_tensor_file(const std::filesystem::path& path,
-                                          TensorFileFormat format);
+LOOM_API std::vector<NamedTensor> read_tensor_file(const std::filesystem::path& path,
+                                                   TensorFileFormat format);
 
 struct ImportOptions {
   TensorFileFormat format = TensorFileFormat::kSafetensors;
@@ -72,9 +74,9 @@ struct ImportOptions {
 // names already starting with "optim/", kept as they are, plus a JSON blob "imported" naming
 // the source file and format. Returns the tensors imported. A step already committed there is
 // InvalidArgument. load_model_weights() reads the result into a model.
-std::vector<NamedTensor> import_tensor_file(const std::filesystem::path& in,
-                                            const std::filesystem::path& ckpt_dir,
-                                            const ImportOptions& options);
+LOOM_API std::vector<NamedTensor> import_tensor_file(const std::filesystem::path& in,
+                                                     const std::filesystem::path& ckpt_dir,
+                                                     const ImportOptions& options);
 
 // Fills `params` (a module's named parameters and buffers, e.g. from named_parameters(), each
 // allocated with its shape and dtype) in place from the "model/<name>" tensors of `step`
@@ -83,7 +85,7 @@ std::vector<NamedTensor> import_tensor_file(const std::filesystem::path& in,
 // not ask for are too. Other tensors and blobs (optimizer state, trainer state) are left out.
 // Call it before wrapping the module in DataParallel, which takes the module's weights
 // (rank 0's) at construction. Returns the step loaded.
-int64_t load_model_weights(const std::filesystem::path& ckpt_dir, int64_t step,
-                           const std::vector<NamedTensor>& params);
+LOOM_API int64_t load_model_weights(const std::filesystem::path& ckpt_dir, int64_t step,
+                                    const std::vector<NamedTensor>& params);
 
 }  // namespace loom::ckpt

@@ -14,15 +14,17 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::ckpt {
 
 // Steps under dir whose directory holds a manifest (the commit point), ascending. A missing
 // dir has none.
-std::vector<int64_t> committed_steps(const std::filesystem::path& dir);
+LOOM_API std::vector<int64_t> committed_steps(const std::filesystem::path& dir);
 // Step directories under dir without a manifest: interrupted or failed saves, not checkpoints.
-std::vector<std::filesystem::path> uncommitted_dirs(const std::filesystem::path& dir);
+LOOM_API std::vector<std::filesystem::path> uncommitted_dirs(const std::filesystem::path& dir);
 // <dir>/step_<N> (zero-padded): where step N lives, committed or not.
-std::filesystem::path step_path(const std::filesystem::path& dir, int64_t step);
+LOOM_API std::filesystem::path step_path(const std::filesystem::path& dir, int64_t step);
 
 struct TensorSummary {
   std::string name;            // "model/<parameter>", "optim/<parameter>/<state>", ...
@@ -45,10 +47,10 @@ struct StepSummary {
 
 // A committed step's manifest, summarised. A step that is not committed is IoError naming the
 // manifest it lacks; a malformed manifest is CorruptData naming it.
-StepSummary describe_step(const std::filesystem::path& dir, int64_t step);
+LOOM_API StepSummary describe_step(const std::filesystem::path& dir, int64_t step);
 
 // Reads every byte of a committed step and checks every hash; returns the bytes read. A hash
 // mismatch is CorruptData naming the tensor and file; a missing or short data file IoError.
-uint64_t verify_step(const std::filesystem::path& dir, int64_t step);
+LOOM_API uint64_t verify_step(const std::filesystem::path& dir, int64_t step);
 
 }  // namespace loom::ckpt

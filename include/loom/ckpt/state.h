@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::ckpt {
 
 // How a rank's tensor is a piece of one global tensor.
@@ -50,7 +52,7 @@ struct TensorEntry {
 
 // A checkpoint's content, as one rank sees it. Names are unique across tensors and blobs.
 // A plain value; not thread-safe.
-struct State {
+struct LOOM_API State {
   std::vector<TensorEntry> tensors;
   std::map<std::string, std::string> blobs;  // name -> JSON text
 

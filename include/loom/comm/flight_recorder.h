@@ -15,13 +15,15 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::comm {
 
 // An op's life: enqueued by the caller, started by the group's worker, then completed or
 // failed. An op still enqueued or started when the dump is taken is "in flight".
 enum class OpState { kEnqueued, kStarted, kCompleted, kFailed };
 // "enqueued", "started", "completed", "failed".
-const char* to_string(OpState state);
+LOOM_API const char* to_string(OpState state);
 
 struct FlightEntry {
   uint64_t sequence = 0;  // position in the group's issue order, from 1
@@ -35,7 +37,7 @@ struct FlightEntry {
   OpState state = OpState::kEnqueued;
 };
 
-class FlightRecorder {
+class LOOM_API FlightRecorder {
  public:
   // Keeps the last `capacity` ops; the oldest is dropped when a new one arrives at capacity.
   // capacity 0 is InvalidArgument.
@@ -76,7 +78,7 @@ class FlightRecorder {
 };
 
 // <dir>/rank_<rank>.json: where rank `rank` dumps its recorder, the name read_flight_dumps reads.
-std::filesystem::path flight_dump_file(const std::filesystem::path& dir, int rank);
+LOOM_API std::filesystem::path flight_dump_file(const std::filesystem::path& dir, int rank);
 
 // One rank's dump as read back.
 struct FlightDump {
@@ -90,6 +92,6 @@ struct FlightDump {
 // flight diff` compares. A directory without dumps is IoError; a malformed dump (bad JSON, a
 // missing field, non-consecutive sequence numbers, a "rank" that does not match the file name)
 // is CorruptData naming the file; dumps of different groups are InvalidArgument.
-std::vector<FlightDump> read_flight_dumps(const std::filesystem::path& dir);
+LOOM_API std::vector<FlightDump> read_flight_dumps(const std::filesystem::path& dir);
 
 }  // namespace loom::comm

@@ -9,6 +9,7 @@
 
 #include "loom/comm/group.h"
 #include "loom/comm/store.h"
+#include "loom/visibility.h"
 
 namespace loom::comm {
 
@@ -44,12 +45,12 @@ struct GlooOptions {
 // timeout, which is a Timeout naming the ranks that did not arrive. The store must outlive the
 // group: new_subgroup bootstraps through it. Destroying the group fails the ops not yet started;
 // an op in flight ends first (when its peers close their connections or its timeout passes).
-std::unique_ptr<Group> new_gloo_group(Store& store, int rank, int size,
-                                      const GlooOptions& options = {});
+LOOM_API std::unique_ptr<Group> new_gloo_group(Store& store, int rank, int size,
+                                               const GlooOptions& options = {});
 
 // "shared memory" when `group` is a Gloo group whose collectives run through shared memory,
 // "hierarchical" when its all_reduce runs through shared memory inside each host and TCP
 // between hosts, "tcp" for a Gloo group over TCP, "" for any other group.
-std::string gloo_transport(const Group& group);
+LOOM_API std::string gloo_transport(const Group& group);
 
 }  // namespace loom::comm

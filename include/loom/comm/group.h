@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "loom/comm/store.h"
+#include "loom/visibility.h"
 
 namespace loom::comm {
 
@@ -38,7 +39,7 @@ class FlightRecorder;
 inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{std::chrono::minutes(5)};
 
 enum class ReduceOp { kSum, kAvg, kMin, kMax };
-const char* to_string(ReduceOp op);
+LOOM_API const char* to_string(ReduceOp op);
 
 struct AllReduceOptions {
   ReduceOp op = ReduceOp::kSum;
@@ -73,7 +74,7 @@ struct SendRecvOptions {
 //   if (exception()) std::rethrow_exception(exception());
 // A Timeout from wait() does not cancel the op: the group is then unusable (its peers are
 // out of step) and later ops fail with CommError; destroy the group and rebuild it.
-class Work {
+class LOOM_API Work {
  public:
   virtual ~Work() = default;
   // Blocks until the op completes, up to timeout; rethrows the op's error (CommError, ...).
@@ -96,9 +97,9 @@ struct ShardRange {
   int64_t end;
   int64_t size() const { return end - begin; }
 };
-ShardRange shard_range(int64_t n, int size, int rank);
+LOOM_API ShardRange shard_range(int64_t n, int size, int rank);
 
-class Group {
+class LOOM_API Group {
  public:
   virtual ~Group() = default;
 

@@ -17,6 +17,7 @@
 
 #include "loom/comm/group.h"
 #include "loom/comm/store.h"
+#include "loom/visibility.h"
 
 namespace loom::comm {
 
@@ -29,14 +30,14 @@ struct NcclOptions {
 };
 
 // True when this Loom was built with CUDA and NCCL.
-bool nccl_available();
+LOOM_API bool nccl_available();
 
 // Every rank calls it with the same store, which must outlive the group (subgroups bootstrap
 // through it). Rank 0 publishes the NCCL unique id under "nccl/<name>#<g>/unique_id", where g
 // counts this rank's groups of that name, so a reused name never reads an old id. Arguments
 // are checked as for Gloo (InvalidArgument), and so are every op's (the same shared checks,
 // with tensors on cuda:<device> instead of the CPU).
-std::unique_ptr<Group> new_nccl_group(Store& store, int rank, int size,
-                                      const NcclOptions& options = {});
+LOOM_API std::unique_ptr<Group> new_nccl_group(Store& store, int rank, int size,
+                                               const NcclOptions& options = {});
 
 }  // namespace loom::comm

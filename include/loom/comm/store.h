@@ -22,9 +22,11 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::comm {
 
-class Store {
+class LOOM_API Store {
  public:
   static constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::seconds(300)};
 
@@ -53,7 +55,7 @@ class Store {
 };
 
 // Threads as ranks: one instance shared by reference among the rank threads.
-class InMemoryStore final : public Store {
+class LOOM_API InMemoryStore final : public Store {
  public:
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
@@ -80,7 +82,7 @@ class InMemoryStore final : public Store {
 // reads take no lock. Waits poll with a short backoff (1 ms growing to 20 ms). Key bytes outside
 // [A-Za-z0-9_.-] are escaped into the file name; a key longer than about 250 bytes once escaped
 // is InvalidArgument. System call failures are IoError.
-class FileStore final : public Store {
+class LOOM_API FileStore final : public Store {
  public:
   explicit FileStore(std::filesystem::path dir);
 
@@ -107,7 +109,7 @@ class FileStore final : public Store {
 // Namespaces every key of an underlying store under "<prefix>/": sub-groups and restart
 // generations get fresh keys without clearing the store. Does not own the underlying store,
 // which must outlive it.
-class PrefixStore final : public Store {
+class LOOM_API PrefixStore final : public Store {
  public:
   PrefixStore(std::string prefix, Store& base);
 

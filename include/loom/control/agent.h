@@ -13,6 +13,7 @@
 
 #include "loom/control/coordinator.h"
 #include "loom/control/tls.h"
+#include "loom/visibility.h"
 
 namespace loom::control {
 
@@ -47,6 +48,6 @@ struct AgentOptions {
 // Runs the job on this node until it finishes, fails or is stopped by SIGINT/SIGTERM (which it
 // installs handlers for). Returns the exit code: 0, the first failed worker's code, or 128 +
 // the signal. Bad options are InvalidArgument.
-int run_agent(const AgentOptions& options);
+LOOM_API int run_agent(const AgentOptions& options);
 
 }  // namespace loom::control

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "loom/control/tls.h"
+#include "loom/visibility.h"
 
 namespace loom::control {
 
@@ -48,7 +49,7 @@ struct CoordinatorOptions {
 };
 
 // The running server. Thread-safe; the destructor shuts it down (blocked calls return).
-class Coordinator {
+class LOOM_API Coordinator {
  public:
   // Starts listening. Bad options are InvalidArgument; an address it cannot bind, or a TLS
   // file it cannot read, is IoError.
@@ -63,11 +64,11 @@ class Coordinator {
   bool done() const;
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 
 // A fresh random job token (32 hex digits) from the system's entropy source.
-std::string generate_token();
+LOOM_API std::string generate_token();
 
 }  // namespace loom::control

@@ -9,6 +9,7 @@
 
 #include "loom/comm/store.h"
 #include "loom/control/tls.h"
+#include "loom/visibility.h"
 
 namespace loom::control {
 
@@ -17,7 +18,7 @@ namespace loom::control {
 // token is CommError saying so; a wait past its timeout is Timeout naming the keys. With `tls`
 // (see TlsFiles) the channel is TLS, and a coordinator that cannot be verified, or that
 // refuses this client's certificate, answers nothing: Timeout, naming TLS among the causes.
-class CoordinatorStore final : public comm::Store {
+class LOOM_API CoordinatorStore final : public comm::Store {
  public:
   CoordinatorStore(const std::string& address, const std::string& token,
                    std::chrono::milliseconds rpc_timeout = std::chrono::seconds(60),
@@ -36,7 +37,7 @@ class CoordinatorStore final : public comm::Store {
   bool remove(const std::string& key) override;
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -10,10 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::data {
 
 // One rank's samples for one step (data/reader.h describes the tensors of each dataset kind).
-struct Batch {
+struct LOOM_API Batch {
   std::map<std::string, at::Tensor> tensors;                // see data/reader.h
   std::map<std::string, std::vector<std::string>> strings;  // text and bytes fields
   std::vector<uint64_t> indices;  // the sample index of each row in its dataset
@@ -26,7 +28,7 @@ struct Batch {
 
 // Step-by-step batches with a position that can be saved and restored. Every rank calls
 // next() once per step; state_json() is the same on every rank after every step.
-class BatchSource {
+class LOOM_API BatchSource {
  public:
   virtual ~BatchSource() = default;
   virtual Batch next() = 0;

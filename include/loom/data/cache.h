@@ -20,6 +20,7 @@
 #include <string>
 
 #include "loom/data/remote.h"
+#include "loom/visibility.h"
 
 namespace loom::data {
 
@@ -50,7 +51,7 @@ struct CacheStats {
   uint64_t skipped_pinned = 0;  // eviction candidates left because a reader had them pinned
 };
 
-class NodeCache {
+class LOOM_API NodeCache {
  public:
   // A cached file held in place. Movable; releasing it (destruction) lets eviction take it.
   class Pin {
@@ -92,7 +93,7 @@ class NodeCache {
   CacheStats stats() const;
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -101,11 +102,11 @@ class NodeCache {
 // under a limit suffices) and checked as verify_dataset checks a local one. Files are named by
 // URL in the report; a file that cannot be downloaded, or arrives corrupt twice, is reported as
 // that file's problem. A manifest that cannot be fetched or trusted throws as read_manifest.
-VerifyReport verify_remote_dataset(const std::string& url, NodeCache& cache,
-                                   const ProgressFn& progress = {});
+LOOM_API VerifyReport verify_remote_dataset(const std::string& url, NodeCache& cache,
+                                            const ProgressFn& progress = {});
 
 // Parses "123", "64K", "512M", "2G", "1T" (powers of 1024) as bytes; InvalidArgument naming
 // `what` otherwise.
-uint64_t parse_bytes(const std::string& text, const std::string& what);
+LOOM_API uint64_t parse_bytes(const std::string& text, const std::string& what);
 
 }  // namespace loom::data

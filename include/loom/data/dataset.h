@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::data {
 
 enum class DatasetKind { kTokens, kRecords };
@@ -58,7 +60,7 @@ struct FileInfo {
   uint64_t xxhash64 = 0;
 };
 
-struct Manifest {
+struct LOOM_API Manifest {
   // The manifest format this Loom writes; it reads every version from kOldestFormatVersion.
   // 1: shards with whole-file hashes. 2: adds per-chunk hashes, tokenizer files and a hash of
   // the whole manifest. Shard files are format 1 in both.
@@ -98,16 +100,16 @@ struct Manifest {
 // Reads and checks `dir`/manifest.json, of any format version this Loom reads: a missing
 // directory or manifest is IoError; bad JSON, an unknown format version, or a manifest that
 // does not hash to its recorded hashes is CorruptData.
-Manifest read_manifest(const std::filesystem::path& dir);
+LOOM_API Manifest read_manifest(const std::filesystem::path& dir);
 
 // Checks that every tokenizer file of `m` exists with its recorded size and xxHash64: IoError
 // when one is missing, CorruptData naming it otherwise. Reader and Vocabulary::of_dataset call
 // it at open.
-void check_tokenizer_files(const std::filesystem::path& dir, const Manifest& m);
+LOOM_API void check_tokenizer_files(const std::filesystem::path& dir, const Manifest& m);
 
 // One record of a record dataset, in schema order: values[i] is field i, encoded as stored
 // (see encode_* below), so that writing needs no copy of big tensors twice.
-class Record {
+class LOOM_API Record {
  public:
   Record& bytes(std::string value);
   Record& text(std::string value);
@@ -148,7 +150,7 @@ struct TokenWriterOptions {
 // written to a temporary name, fsynced and renamed; the manifest is written last (atomically),
 // so a directory without manifest.json is an unfinished build. Errors are IoError naming the
 // file; a token id >= vocab_size is InvalidArgument.
-class TokenDatasetWriter {
+class LOOM_API TokenDatasetWriter {
  public:
   TokenDatasetWriter(std::filesystem::path dir, TokenWriterOptions options);
   ~TokenDatasetWriter();
@@ -164,7 +166,7 @@ class TokenDatasetWriter {
   Manifest finish();
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -176,7 +178,7 @@ struct RecordWriterOptions {
 
 // Writes a record dataset; same guarantees and errors as TokenDatasetWriter. A record whose
 // values do not match the schema (count, types, a fixed tensor shape) is InvalidArgument.
-class RecordDatasetWriter {
+class LOOM_API RecordDatasetWriter {
  public:
   RecordDatasetWriter(std::filesystem::path dir, std::vector<Field> schema,
                       RecordWriterOptions options = {});
@@ -189,7 +191,7 @@ class RecordDatasetWriter {
   Manifest finish();
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -207,7 +209,8 @@ struct VerifyReport {
 // hashes and xxHash64, and every record's checksum. Reports the first problem instead of
 // throwing (`offset` is the bad chunk's first byte for a chunk hash); an unreadable manifest
 // still throws as read_manifest does.
-VerifyReport verify_dataset(const std::filesystem::path& dir, const ProgressFn& progress = {});
+LOOM_API VerifyReport verify_dataset(const std::filesystem::path& dir,
+                                     const ProgressFn& progress = {});
 
 // What migrate_dataset did.
 struct MigrateReport {
@@ -224,6 +227,7 @@ struct MigrateReport {
 // rewritten (their format is unchanged). The content version is kept when the identity is
 // unchanged; see docs/datasets.md for the one case where it moves. Not safe to run while
 // another process migrates the same directory.
-MigrateReport migrate_dataset(const std::filesystem::path& dir, const ProgressFn& progress = {});
+LOOM_API MigrateReport migrate_dataset(const std::filesystem::path& dir,
+                                       const ProgressFn& progress = {});
 
 }  // namespace loom::data

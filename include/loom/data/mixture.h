@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "loom/data/reader.h"
+#include "loom/visibility.h"
 
 namespace loom::data {
 
@@ -69,7 +70,7 @@ struct MixtureOptions {
 };
 
 // Where a mixture stands. Identical on every rank after every step.
-struct MixtureState {
+struct LOOM_API MixtureState {
   struct Source {
     std::string dataset_version;  // the source's content version
     std::string dataset;          // its registry version ("" when opened by path); a label
@@ -84,7 +85,7 @@ struct MixtureState {
   static MixtureState from_json(const std::string& json);
 };
 
-class Mixture final : public BatchSource {
+class LOOM_API Mixture final : public BatchSource {
  public:
   Mixture(std::vector<MixtureSource> sources, MixtureOptions options);
   ~Mixture() override;
@@ -114,7 +115,7 @@ class Mixture final : public BatchSource {
   const MixtureOptions& options() const;
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -35,6 +35,7 @@
 #include "loom/data/dataset.h"
 #include "loom/data/registry.h"
 #include "loom/data/sampler.h"
+#include "loom/visibility.h"
 
 namespace loom::data {
 
@@ -88,7 +89,7 @@ struct ReaderOptions {
 // fetched is RemoteError (an IoError naming the URL, the HTTP status and the attempts) from the
 // constructor; a shard that cannot be, RemoteError or CorruptData from the next() that needs
 // it, and that batch is not consumed either.
-class Reader final : public BatchSource {
+class LOOM_API Reader final : public BatchSource {
  public:
   // `dataset`: a directory, or a registry name resolved through options.registry.
   Reader(const std::filesystem::path& dataset, ReaderOptions options);
@@ -130,7 +131,7 @@ class Reader final : public BatchSource {
   Batch read(const std::vector<uint64_t>& indices) const;
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -20,6 +20,7 @@
 
 #include "loom/data/dataset.h"
 #include "loom/data/remote.h"
+#include "loom/visibility.h"
 
 namespace loom::data {
 
@@ -66,7 +67,7 @@ struct RegisterOptions {
 // once (DirectoryRegistry: see its comment); one object is not to be shared between threads.
 // Errors: a name, version or tag that does not exist is InvalidArgument naming it (and what
 // exists); a malformed catalog entry is CorruptData naming its file; storage failures IoError.
-class Registry {
+class LOOM_API Registry {
  public:
   virtual ~Registry() = default;
 
@@ -97,7 +98,7 @@ class Registry {
 // add() takes an exclusive flock on .lock and creates N.json with link(2), which fails rather
 // than overwrite when another writer (one without working locks, e.g. on some network file
 // systems) took N first; it then takes N + 1. Tags are replaced by atomic rename.
-class DirectoryRegistry final : public Registry {
+class LOOM_API DirectoryRegistry final : public Registry {
  public:
   explicit DirectoryRegistry(std::filesystem::path root);
 
@@ -118,17 +119,17 @@ class DirectoryRegistry final : public Registry {
 
 // The registry at `root`, or at $LOOM_DATA_REGISTRY when root is empty. InvalidArgument when
 // neither names one, saying how to set it.
-std::unique_ptr<Registry> open_registry(const std::filesystem::path& root = {});
+LOOM_API std::unique_ptr<Registry> open_registry(const std::filesystem::path& root = {});
 
 // The lineage file `loom data build` writes into a dataset directory.
 inline constexpr char kBuildLineageFile[] = "build.json";
 // Reads `location`/build.json (a directory, or a URL fetched with `remote`); an empty Lineage
 // when there is none, CorruptData when malformed.
-Lineage read_build_lineage(const std::string& location, const RemoteOptions& remote = {});
+LOOM_API Lineage read_build_lineage(const std::string& location, const RemoteOptions& remote = {});
 // Writes `dir`/build.json atomically.
-void write_build_lineage(const std::filesystem::path& dir, const Lineage& lineage);
+LOOM_API void write_build_lineage(const std::filesystem::path& dir, const Lineage& lineage);
 // `path`'s size and xxHash64, the path made absolute; IoError when unreadable.
-SourceFile describe_source(const std::filesystem::path& path);
+LOOM_API SourceFile describe_source(const std::filesystem::path& path);
 
 // A dataset as a reader opens it: its directory or URL and, for a registry name, the version.
 struct ResolvedDataset {
@@ -139,7 +140,7 @@ struct ResolvedDataset {
 
 // True when `spec` is a registry name rather than a path: it has no '/', is not empty, and no
 // file or directory of that name exists.
-bool is_registry_name(const std::string& spec);
+LOOM_API bool is_registry_name(const std::string& spec);
 
 // `spec` as a location: a path or URL is returned as it is; a registry name is resolved through
 // open_registry(registry_root) and its dataset checked: a directory that is gone is IoError, a
@@ -147,8 +148,8 @@ bool is_registry_name(const std::string& spec);
 // manifest no longer holds the registered content version CorruptData naming the version, both
 // content versions and the location ("its files changed since registration"). Remote
 // manifests are fetched with `remote`.
-ResolvedDataset resolve_dataset(const std::string& spec,
-                                const std::filesystem::path& registry_root = {},
-                                const RemoteOptions& remote = {});
+LOOM_API ResolvedDataset resolve_dataset(const std::string& spec,
+                                         const std::filesystem::path& registry_root = {},
+                                         const RemoteOptions& remote = {});
 
 }  // namespace loom::data

@@ -17,14 +17,15 @@
 
 #include "loom/data/dataset.h"
 #include "loom/error.h"
+#include "loom/visibility.h"
 
 namespace loom::data {
 
 // True for "http://...", "https://..." and "s3://..." locations.
-bool is_remote(std::string_view location);
+LOOM_API bool is_remote(std::string_view location);
 
 // `base` + "/" + `name` (one '/' between them).
-std::string join_url(const std::string& base, const std::string& name);
+LOOM_API std::string join_url(const std::string& base, const std::string& name);
 
 struct RemoteOptions {
   // Tries per request: timeouts, refused or dropped connections, truncated bodies, HTTP 408,
@@ -56,7 +57,7 @@ struct RemoteOptions {
 
 // A remote request that failed for good: the URL, the HTTP status of the last attempt (0 when
 // no response came: refused, timed out, dropped) and how many attempts were made.
-class RemoteError : public IoError {
+class LOOM_API RemoteError : public IoError {
  public:
   RemoteError(std::string url, long status, int attempts, const std::string& what)
       : IoError(what), url_(std::move(url)), status_(status), attempts_(attempts) {}
@@ -79,7 +80,7 @@ struct RemoteStats {
 
 // Fetches objects from http(s):// and s3:// URLs. Thread-safe: each call uses its own
 // connection.
-class RemoteClient {
+class LOOM_API RemoteClient {
  public:
   explicit RemoteClient(RemoteOptions options = {});
   ~RemoteClient();
@@ -102,13 +103,13 @@ class RemoteClient {
   RemoteStats stats() const;
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 
 // A dataset's manifest from its location: a local directory (read_manifest) or the URL of a
 // remote one, fetched with `remote`'s retries and credentials and checked as a local manifest
 // is. Errors as read_manifest's, and RemoteError naming the URL when it cannot be fetched.
-Manifest read_manifest(const std::string& location, const RemoteOptions& remote);
+LOOM_API Manifest read_manifest(const std::string& location, const RemoteOptions& remote);
 
 }  // namespace loom::data

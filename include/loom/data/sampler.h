@@ -13,10 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::data {
 
 // Where a reader stands in the sample order. Identical on every rank after every step.
-struct SamplerState {
+struct LOOM_API SamplerState {
   std::string dataset_version;  // names the dataset's content; the order depends on it
   uint64_t seed = 0;            // keys the order, with epoch
   uint64_t epoch = 0;           // epochs completed so far
@@ -85,7 +87,7 @@ struct IndexBatch {
 //
 // A GlobalSampler is a small value (O(1) memory whatever num_samples): copyable, not safe to
 // use from several threads at once. The constructor throws InvalidArgument on bad options.
-class GlobalSampler {
+class LOOM_API GlobalSampler {
  public:
   explicit GlobalSampler(SamplerOptions options);
 

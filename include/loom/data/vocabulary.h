@@ -10,10 +10,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::data {
 
 // An immutable list of pieces; safe to share between threads.
-class Vocabulary {
+class LOOM_API Vocabulary {
  public:
   // Reads a vocabulary file. Missing is IoError, malformed is CorruptData, naming the file.
   static Vocabulary load(const std::filesystem::path& file);

@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "loom/visibility.h"
+
 namespace loom::metrics {
 
 enum class MemoryCategory {
@@ -37,7 +39,7 @@ enum class MemoryCategory {
 };
 inline constexpr int kMemoryCategories = 5;
 
-const char* to_string(MemoryCategory category);
+LOOM_API const char* to_string(MemoryCategory category);
 
 struct AllocatedBytes {
   int64_t live_bytes = 0;  // allocated and not yet freed
@@ -52,20 +54,20 @@ struct CpuAllocations {
 };
 
 // Starts counting (idempotent). Throws loom::Error if c10's CPU allocator cannot be wrapped.
-void count_cpu_allocations();
-bool counting_cpu_allocations();
+LOOM_API void count_cpu_allocations();
+LOOM_API bool counting_cpu_allocations();
 // The counts now; all zero before count_cpu_allocations().
-CpuAllocations cpu_allocations();
+LOOM_API CpuAllocations cpu_allocations();
 // Every peak (total and per category) := its live bytes now.
-void reset_cpu_allocation_peaks();
+LOOM_API void reset_cpu_allocation_peaks();
 // The category a live counted allocation was charged to, by the start of its block (a
 // tensor's storage().data()); empty for memory the counter did not allocate.
-std::optional<MemoryCategory> category_of_allocation(const void* data);
+LOOM_API std::optional<MemoryCategory> category_of_allocation(const void* data);
 
 // RAII: allocations this thread makes during the scope's lifetime count under `category`;
 // scopes nest (the innermost wins) and restore the outer category when they end. Cheap (one
 // thread-local write); harmless when counting is off.
-class MemoryCategoryScope {
+class LOOM_API MemoryCategoryScope {
  public:
   explicit MemoryCategoryScope(MemoryCategory category);
   ~MemoryCategoryScope();

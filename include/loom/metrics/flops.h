@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::metrics {
 
 // The shape of a decoder-only transformer, for its FLOPs per token.
@@ -36,12 +38,12 @@ struct TransformerShape {
 // gathered, and learned position embeddings. When the token embedding is tied to the output
 // head it does a matmul (the logits), so then N_emb is the position embeddings only.
 // Negative or zero fields other than embedding_params are InvalidArgument.
-double flops_per_token(const TransformerShape& shape);
+LOOM_API double flops_per_token(const TransformerShape& shape);
 
 // llm.c's formula, for comparison: 6 N + 6 L C T with C = H Q. It counts every parameter
 // (GPT-2 ties its embedding to the head, and llm.c also counts the position embeddings) and
 // only the causal half of attention. For GPT-2 124M at T = 1024: 0.855 vs 0.803 GFLOP (6%).
-double flops_per_token_llmc(const TransformerShape& shape);
+LOOM_API double flops_per_token_llmc(const TransformerShape& shape);
 
 // The peak FLOP/s MFU divides by, and where that figure came from.
 struct PeakFlops {
@@ -57,7 +59,7 @@ struct CpuPeakOptions {
 
 // The best fp32 FLOP/s of torch::mm on the CPU, with torch's current intra-op thread count
 // (set it first: Runtime does). Takes about half a second on 2 cores at the defaults.
-PeakFlops measure_cpu_matmul_peak(const CpuPeakOptions& options = {});
+LOOM_API PeakFlops measure_cpu_matmul_peak(const CpuPeakOptions& options = {});
 
 // One row of the GPU datasheet table.
 struct DatasheetEntry {
@@ -68,14 +70,14 @@ struct DatasheetEntry {
 
 // The table, most specific names first: H100 NVL 835e12, H100 PCIe 756e12, H100 (SXM) 989e12,
 // H200 NVL 835e12, H200 (SXM) 989e12, B200 2.25e15, A100 312e12 (TorchTitan's figures).
-const std::vector<DatasheetEntry>& datasheet_table();
+LOOM_API const std::vector<DatasheetEntry>& datasheet_table();
 
 // The first entry of datasheet_table() whose match is in `device_name`, e.g. "NVIDIA H200" ->
 // {989e12, "datasheet:H200"}; nothing for another name ("Tesla T4", "").
-std::optional<PeakFlops> datasheet_peak(const std::string& device_name);
+LOOM_API std::optional<PeakFlops> datasheet_peak(const std::string& device_name);
 
 // The name of CUDA device `index` (cudaGetDeviceProperties), or "" without CUDA support.
-std::string cuda_device_name(int index);
+LOOM_API std::string cuda_device_name(int index);
 
 struct MatmulPeakOptions {
   int64_t cpu_min_n = 1024;  // CPU: fp32 square matmuls of cpu_min_n ... cpu_max_n (doubling)
@@ -89,20 +91,20 @@ struct MatmulPeakOptions {
 // "measured-cuda-bf16-matmul"). InvalidArgument for other devices, and for cuda in a build
 // without CUDA or with a libtorch that has none. Printed beside the datasheet figure, it says
 // how far this machine (clocks, power cap, cuBLAS) is from the datasheet.
-PeakFlops measure_matmul_peak(c10::Device device, const MatmulPeakOptions& options = {});
+LOOM_API PeakFlops measure_matmul_peak(c10::Device device, const MatmulPeakOptions& options = {});
 // The CUDA part of measure_matmul_peak (metrics/matmul_peak_cuda.cpp; without CUDA it throws).
-PeakFlops measure_cuda_bf16_matmul_peak(int index, const MatmulPeakOptions& options);
+LOOM_API PeakFlops measure_cuda_bf16_matmul_peak(int index, const MatmulPeakOptions& options);
 
 // The peak MFU divides by: measured on the CPU; on a GPU the datasheet figure for its name,
 // or, for a GPU not in the table, the measured bf16 matmul peak, with a source that says so
 // ("measured-cuda-bf16-matmul (GPU 'Tesla T4' is not in the datasheet table)").
-PeakFlops peak_flops(c10::Device device);
+LOOM_API PeakFlops peak_flops(c10::Device device);
 
 // peak_flops, measured once per job: the figure is kept in `cache` (a JSON file, e.g. in the run
 // directory) with the device and torch's intra-op thread count, and read from it while they are
 // the same, so that a restarted worker does not spend a second measuring again. A missing or
 // unreadable cache is measured and (re)written, atomically; a cache that cannot be written is
 // not an error (the figure is measured again next time).
-PeakFlops peak_flops(c10::Device device, const std::filesystem::path& cache);
+LOOM_API PeakFlops peak_flops(c10::Device device, const std::filesystem::path& cache);
 
 }  // namespace loom::metrics

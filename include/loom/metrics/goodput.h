@@ -38,6 +38,8 @@
 #include <utility>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::metrics {
 
 struct GoodputOptions {
@@ -57,7 +59,7 @@ struct GoodputReport {
   int64_t sessions = 0;           // process starts, this one included
 };
 
-class GoodputTracker {
+class LOOM_API GoodputTracker {
  public:
   // Reads <run_dir>/goodput.json when it exists and starts a new session (process start).
   explicit GoodputTracker(const std::filesystem::path& run_dir, GoodputOptions options = {});

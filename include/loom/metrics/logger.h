@@ -31,6 +31,7 @@
 #include "loom/metrics/goodput.h"
 #include "loom/metrics/memory.h"
 #include "loom/metrics/step_timer.h"
+#include "loom/visibility.h"
 
 namespace loom {
 class Runtime;
@@ -77,7 +78,7 @@ struct StepMetrics {
   MemoryUsage memory;
 };
 
-class MetricsLogger {
+class LOOM_API MetricsLogger {
  public:
   // Files go to rt.run_dir(), lines to rt.log(); only rank 0 writes files and prints.
   MetricsLogger(const Runtime& rt, MetricsOptions options);

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "loom/visibility.h"
+
 namespace loom::metrics {
 
 struct MemoryUsage {
@@ -12,6 +14,6 @@ struct MemoryUsage {
 
 // Reads /proc/self/status. Where it is missing or has no VmRSS line (not Linux), both are 0.
 // Never throws. Costs one small file read (~20 us).
-MemoryUsage process_memory();
+LOOM_API MemoryUsage process_memory();
 
 }  // namespace loom::metrics

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::metrics {
 
 enum class Phase {
@@ -35,7 +37,7 @@ inline constexpr size_t kNumPhases = 6;
 
 // "data_wait", "forward_backward", "comm_wait", "optimizer", "checkpoint_stall", "other":
 // the names metrics.jsonl uses.
-const char* to_string(Phase phase);
+LOOM_API const char* to_string(Phase phase);
 
 // One step's time per phase, in seconds.
 struct StepTimes {
@@ -46,7 +48,7 @@ struct StepTimes {
   double& operator[](Phase phase) { return seconds[static_cast<size_t>(phase)]; }
 };
 
-class StepTimer {
+class LOOM_API StepTimer {
  public:
   using Clock = std::function<std::chrono::steady_clock::time_point()>;
 

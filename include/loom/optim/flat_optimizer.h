@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::optim {
 
 // torch::optim::AdamWOptions' defaults.
@@ -37,7 +39,7 @@ struct SgdOptions {
 };
 
 // An update rule on flat fp32 tensors. Throws InvalidArgument on bad options at construction.
-class FlatOptimizer {
+class LOOM_API FlatOptimizer {
  public:
   virtual ~FlatOptimizer() = default;
   // "adamw" or "sgd"; stored in checkpoints.
@@ -56,7 +58,7 @@ class FlatOptimizer {
 // device): one fused kernel launch on torch's current stream (kernels/adamw.h) that computes the
 // same float operations in the same order, so a CUDA step equals the CPU step bit for bit on
 // the same inputs; no host synchronisation.
-class AdamW final : public FlatOptimizer {
+class LOOM_API AdamW final : public FlatOptimizer {
  public:
   explicit AdamW(const AdamWOptions& options = {});
   std::string name() const override { return "adamw"; }
@@ -79,7 +81,7 @@ class AdamW final : public FlatOptimizer {
   AdamWOptions options_;
 };
 
-class Sgd final : public FlatOptimizer {
+class LOOM_API Sgd final : public FlatOptimizer {
  public:
   explicit Sgd(const SgdOptions& options = {});
   std::string name() const override { return "sgd"; }

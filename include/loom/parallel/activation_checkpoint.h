@@ -49,6 +49,8 @@
 #include <utility>
 #include <vector>
 
+#include "loom/visibility.h"
+
 namespace loom::parallel {
 
 using CheckpointFn = std::function<at::Tensor(const at::Tensor&)>;
@@ -59,11 +61,11 @@ using CheckpointVectorFn = std::function<std::vector<at::Tensor>(const std::vect
 // `input` does not (fn may use parameters that do); a backward through it then recomputes fn.
 // fn must compute the same function of its input and the generator states every time it runs,
 // and must outlive the backward (it is copied). Exceptions from fn propagate, from backward too.
-at::Tensor checkpoint(const CheckpointFn& fn, const at::Tensor& input);
+LOOM_API at::Tensor checkpoint(const CheckpointFn& fn, const at::Tensor& input);
 // The same with several inputs and outputs (every input a defined tensor). Outputs that do not
 // require grad after the recompute, or get no gradient, take no part in the backward.
-std::vector<at::Tensor> checkpoint(const CheckpointVectorFn& fn,
-                                   const std::vector<at::Tensor>& inputs);
+LOOM_API std::vector<at::Tensor> checkpoint(const CheckpointVectorFn& fn,
+                                            const std::vector<at::Tensor>& inputs);
 
 // Whether ActivationCheckpoint can wrap a module of type M: one non-template forward taking one
 // tensor (by value or const reference) and returning a tensor.
@@ -95,7 +97,7 @@ inline constexpr bool is_checkpointable_v = is_checkpointable<M>::value;
 // arguments, InvalidArgument for one returning something other than a tensor.
 // Wrappers compose: an ActivationCheckpoint may wrap, or be wrapped by, another module with a
 // Tensor(Tensor) forward (an ActivationCheckpoint too).
-class ActivationCheckpointImpl : public torch::nn::Module {
+class LOOM_API ActivationCheckpointImpl : public torch::nn::Module {
  public:
   explicit ActivationCheckpointImpl(torch::nn::AnyModule module);
   template <class M>
@@ -136,8 +138,8 @@ TORCH_MODULE(ActivationCheckpoint);
 namespace detail {
 // Registers `replacement` under the name `parent` has `child` under. InvalidArgument when
 // `child` is not a direct child of `parent`.
-void replace_child(torch::nn::Module& parent, const torch::nn::Module& child,
-                   std::shared_ptr<torch::nn::Module> replacement);
+LOOM_API void replace_child(torch::nn::Module& parent, const torch::nn::Module& child,
+                            std::shared_ptr<torch::nn::Module> replacement);
 }  // namespace detail
 
 // The policy: wraps every element of `list` that is a ModuleImpl (or derives from it) in an

@@ -47,6 +47,7 @@
 #include "loom/optim/flat_optimizer.h"
 #include "loom/parallel/strategy.h"
 #include "loom/parallel/zero.h"
+#include "loom/visibility.h"
 
 namespace torch::nn {
 class Module;
@@ -62,7 +63,7 @@ enum class GradReduction {
   kSum,   // gradients summed over ranks
 };
 
-struct DataParallelOptions {
+struct LOOM_API DataParallelOptions {
   size_t bucket_bytes = 25u << 20;  // a bucket closes once its parameters reach this many bytes
   ZeroStage zero_stage = ZeroStage::kNone;  // which state is sharded (see zero.h)
   GradReduction reduction = GradReduction::kMean;
@@ -104,7 +105,7 @@ struct SyncStats {
   int64_t peak_gradient_bytes = 0;
 };
 
-class DataParallel final : public Strategy {
+class LOOM_API DataParallel final : public Strategy {
  public:
   // Collective. Checks that every rank has the same parameter names, shapes and dtypes
   // (InvalidArgument naming the first mismatch and the rank), then broadcasts rank 0's
@@ -205,7 +206,7 @@ class DataParallel final : public Strategy {
   DataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group, comm::Group* control,
                const DataParallelOptions& options);
 
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -51,6 +51,7 @@
 #include "loom/config.h"
 #include "loom/optim/flat_optimizer.h"
 #include "loom/parallel/strategy.h"
+#include "loom/visibility.h"
 
 namespace loom::ckpt {
 struct State;
@@ -60,7 +61,7 @@ namespace loom::parallel {
 
 namespace detail {
 // What an FsdpUnit calls around its module's forward; implemented by FullyShardedDataParallel.
-class FsdpUnitHooks {
+class LOOM_API FsdpUnitHooks {
  public:
   virtual ~FsdpUnitHooks() = default;
   // Gathers the unit's parameters; returns the input as the unit computes on it.
@@ -84,7 +85,7 @@ struct FsdpUnitOptions {
 // those of the unwrapped model ("blocks.3.fc.weight"): state saved by FSDP loads into an
 // unwrapped model (DataParallel) and back. Without a FullyShardedDataParallel over it (or after
 // that is destroyed) forward() is the wrapped module's forward.
-class FsdpUnitImpl : public torch::nn::Module {
+class LOOM_API FsdpUnitImpl : public torch::nn::Module {
  public:
   // InvalidArgument when a dtype in `options` is not a floating-point type.
   explicit FsdpUnitImpl(torch::nn::AnyModule module, const FsdpUnitOptions& options = {});
@@ -118,10 +119,11 @@ class FsdpUnitImpl : public torch::nn::Module {
 TORCH_MODULE(FsdpUnit);
 
 namespace detail {
-int wrap_sequential(torch::nn::Sequential& sequential,
-                    const std::function<bool(const std::shared_ptr<torch::nn::Module>&)>& match);
-void replace_list_element(torch::nn::ModuleList& list, size_t index,
-                          std::shared_ptr<torch::nn::Module> module);
+LOOM_API int wrap_sequential(
+    torch::nn::Sequential& sequential,
+    const std::function<bool(const std::shared_ptr<torch::nn::Module>&)>& match);
+LOOM_API void replace_list_element(torch::nn::ModuleList& list, size_t index,
+                                   std::shared_ptr<torch::nn::Module> module);
 }  // namespace detail
 
 // The wrapping policy: replaces every element of `sequential` that is a T (the module class,
@@ -147,7 +149,7 @@ int wrap_modules(torch::nn::ModuleList& list) {
   return wrapped;
 }
 
-struct FsdpOptions {
+struct LOOM_API FsdpOptions {
   // Free a unit's gathered parameters after its forward (gathered again before its backward).
   // false: they stay gathered from forward until the unit's backward is done (less
   // communication, more memory).
@@ -202,7 +204,7 @@ struct FsdpStats {
   int64_t reduce_scatters = 0;              // all gradient reduce-scatters
 };
 
-class FullyShardedDataParallel final : public Strategy, private detail::FsdpUnitHooks {
+class LOOM_API FullyShardedDataParallel final : public Strategy, private detail::FsdpUnitHooks {
  public:
   // Collective. InvalidArgument naming the dtype when param_dtype or reduce_dtype is not a
   // floating-point type. Finds the FsdpUnits in `module` (InvalidArgument naming the module or
@@ -295,7 +297,7 @@ class FullyShardedDataParallel final : public Strategy, private detail::FsdpUnit
   at::Tensor before_forward(int unit, const at::Tensor& input) override;
   at::Tensor after_forward(int unit, at::Tensor output) override;
 
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 

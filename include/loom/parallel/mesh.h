@@ -19,6 +19,7 @@
 
 #include "loom/comm/group.h"
 #include "loom/config.h"
+#include "loom/visibility.h"
 
 namespace loom::parallel {
 
@@ -27,7 +28,7 @@ struct MeshDim {
   int size = 1;      // >= 1
 };
 
-class DeviceMesh {
+class LOOM_API DeviceMesh {
  public:
   // Collective: every rank of `world` calls it with the same dims. InvalidArgument naming the
   // numbers when the sizes do not multiply to world.size(), a size is below 1, or a name is
@@ -63,9 +64,9 @@ class DeviceMesh {
 };
 
 // The parallel.pp, parallel.dp and parallel.tp config keys.
-ConfigSchema mesh_schema();
+LOOM_API ConfigSchema mesh_schema();
 // The pp x dp x tp mesh the config asks for: parallel.dp = 0 (the default) takes the ranks
 // that pp and tp leave; ConfigError naming the keys and the world size when they do not fit.
-std::unique_ptr<DeviceMesh> mesh_from(comm::Group& world, const Config& config);
+LOOM_API std::unique_ptr<DeviceMesh> mesh_from(comm::Group& world, const Config& config);
 
 }  // namespace loom::parallel

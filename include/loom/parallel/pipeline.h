@@ -36,11 +36,12 @@
 #include <vector>
 
 #include "loom/comm/group.h"
+#include "loom/visibility.h"
 
 namespace loom::parallel {
 
 enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B };
-const char* to_string(Schedule schedule);
+LOOM_API const char* to_string(Schedule schedule);
 
 struct PipelineOptions {
   Schedule schedule = Schedule::k1F1B;
@@ -74,14 +75,15 @@ struct PipelineAction {
 // The order in which pipeline rank `rank` of `stages` (p) runs its forwards and backwards of
 // `micro_batches` micro-batches with `chunks` chunks per rank. InvalidArgument naming the
 // numbers when the schedule cannot run them (interleaved: m not a multiple of p).
-std::vector<PipelineAction> pipeline_schedule(Schedule schedule, int rank, int stages,
-                                              int micro_batches, int chunks = 1);
+LOOM_API std::vector<PipelineAction> pipeline_schedule(Schedule schedule, int rank, int stages,
+                                                       int micro_batches, int chunks = 1);
 // The schedule's bubble at equal stage times, forward time f and backward time b per
 // micro-batch and chunk: (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1)
 // interleaved.
-double theoretical_bubble(Schedule schedule, int stages, int micro_batches, int chunks = 1);
+LOOM_API double theoretical_bubble(Schedule schedule, int stages, int micro_batches,
+                                   int chunks = 1);
 
-class Pipeline {
+class LOOM_API Pipeline {
  public:
   // `chunks`: this rank's stage (one; or v for kInterleaved1F1B, in chunk order). InvalidArgument
   // when their number does not fit the schedule or m < 1.

@@ -22,6 +22,7 @@
 #include "loom/comm/group.h"
 #include "loom/config.h"
 #include "loom/optim/flat_optimizer.h"
+#include "loom/visibility.h"
 
 namespace torch::nn {
 class Module;
@@ -32,7 +33,7 @@ struct State;
 
 namespace loom::parallel {
 
-class Strategy {
+class LOOM_API Strategy {
  public:
   virtual ~Strategy() = default;
 
@@ -69,21 +70,21 @@ class Strategy {
 
 enum class Mode { kDdp, kZero1, kZero2, kFsdp };
 
-const char* to_string(Mode mode);
+LOOM_API const char* to_string(Mode mode);
 
 // The parallel.* config keys of every strategy: parallel.mode (ddp, zero1, zero2, fsdp), those
 // of DataParallelOptions::schema() and of FsdpOptions::schema().
-ConfigSchema strategy_schema();
+LOOM_API ConfigSchema strategy_schema();
 // parallel.mode; ConfigError naming the key and the choices for anything else.
-Mode mode_from(const Config& config);
+LOOM_API Mode mode_from(const Config& config);
 
 // Collective (each strategy's construction is). The DataParallel for ddp/zero1/zero2, the
 // FullyShardedDataParallel for fsdp, whose units are the FsdpUnits already in `module` (wrap
 // them before; without any, the whole model is one unit). Both groups must outlive the
 // strategy; `control` carries DataParallel's construction checks (FSDP sends everything over
 // `group`).
-std::unique_ptr<Strategy> make_strategy(std::shared_ptr<torch::nn::Module> module,
-                                        comm::Group& group, comm::Group& control,
-                                        const Config& config);
+LOOM_API std::unique_ptr<Strategy> make_strategy(std::shared_ptr<torch::nn::Module> module,
+                                                 comm::Group& group, comm::Group& control,
+                                                 const Config& config);
 
 }  // namespace loom::parallel

@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "loom/comm/group.h"
+#include "loom/visibility.h"
 
 namespace loom::parallel::tp {
 
@@ -41,32 +42,32 @@ using std::chrono::milliseconds;
 // The regions, each an autograd function over `group` (null: the identity both ways).
 // Forward identity, backward all-reduce of the gradient: where a replicated input enters
 // column-parallel layers.
-at::Tensor copy_to_region(const at::Tensor& x, comm::Group* group,
-                          milliseconds timeout = comm::kDefaultCollectiveTimeout);
+LOOM_API at::Tensor copy_to_region(const at::Tensor& x, comm::Group* group,
+                                   milliseconds timeout = comm::kDefaultCollectiveTimeout);
 // Forward all-reduce (sum), backward identity: after row-parallel layers.
-at::Tensor reduce_from_region(const at::Tensor& x, comm::Group* group,
-                              milliseconds timeout = comm::kDefaultCollectiveTimeout);
+LOOM_API at::Tensor reduce_from_region(const at::Tensor& x, comm::Group* group,
+                                       milliseconds timeout = comm::kDefaultCollectiveTimeout);
 // Forward all-gather along `dim` (every rank's piece, in rank order), backward this rank's
 // piece of the gradient.
-at::Tensor gather_from_region(const at::Tensor& x, int64_t dim, comm::Group* group,
-                              milliseconds timeout = comm::kDefaultCollectiveTimeout);
+LOOM_API at::Tensor gather_from_region(const at::Tensor& x, int64_t dim, comm::Group* group,
+                                       milliseconds timeout = comm::kDefaultCollectiveTimeout);
 // Forward this rank's piece along `dim`, backward all-gather of the gradient.
-at::Tensor scatter_to_region(const at::Tensor& x, int64_t dim, comm::Group* group,
-                             milliseconds timeout = comm::kDefaultCollectiveTimeout);
+LOOM_API at::Tensor scatter_to_region(const at::Tensor& x, int64_t dim, comm::Group* group,
+                                      milliseconds timeout = comm::kDefaultCollectiveTimeout);
 // Sequence parallelism: forward all-gather along `dim`, backward reduce-scatter of the
 // gradient along it (where sequence-split activations enter column-parallel layers).
-at::Tensor gather_sequence(const at::Tensor& x, int64_t dim, comm::Group* group,
-                           milliseconds timeout = comm::kDefaultCollectiveTimeout);
+LOOM_API at::Tensor gather_sequence(const at::Tensor& x, int64_t dim, comm::Group* group,
+                                    milliseconds timeout = comm::kDefaultCollectiveTimeout);
 // Forward reduce-scatter (sum) along `dim`, backward all-gather (after row-parallel layers).
-at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, comm::Group* group,
-                                   milliseconds timeout = comm::kDefaultCollectiveTimeout);
+LOOM_API at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, comm::Group* group,
+                                            milliseconds timeout = comm::kDefaultCollectiveTimeout);
 
 // This rank's piece along `dim` of a tensor that is the same on every rank: the dim is cut
 // into `partitions` equal sections and the rank takes its 1/size of each, concatenated (a
 // fused [q; k; v] weight keeps each rank's heads of all three with partitions = 3).
 // InvalidArgument naming `what`, the dim's size and the group's size when it does not divide.
-at::Tensor shard(const at::Tensor& full, int64_t dim, const comm::Group* group,
-                 int64_t partitions = 1, const std::string& what = "tensor");
+LOOM_API at::Tensor shard(const at::Tensor& full, int64_t dim, const comm::Group* group,
+                          int64_t partitions = 1, const std::string& what = "tensor");
 
 // How a parameter is split over the ranks: along `dim`, in `partitions` sections each cut into
 // group-size pieces (shard()'s arguments); dim -1: replicated.
@@ -77,7 +78,7 @@ struct ShardSpec {
 };
 // The split of `module`'s own parameter `name` ("weight", "bias"): the rules of the layers
 // below for them, replicated for every other module.
-ShardSpec shard_spec(const torch::nn::Module& module, const std::string& name);
+LOOM_API ShardSpec shard_spec(const torch::nn::Module& module, const std::string& name);
 // A parameter of a module tree with its dotted name and split.
 struct ShardedParameter {
   std::string name;  // as named_parameters() names it
@@ -86,10 +87,10 @@ struct ShardedParameter {
 };
 // Every parameter of `root`, in named_parameters() order, with its split. Usable inside the
 // root's constructor (it does not need the root in a shared_ptr).
-std::vector<ShardedParameter> sharded_parameters(const torch::nn::Module& root);
+LOOM_API std::vector<ShardedParameter> sharded_parameters(const torch::nn::Module& root);
 // The shape of the whole tensor of which `local` is this rank's piece under `spec`.
-std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
-                                const comm::Group* group);
+LOOM_API std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
+                                         const comm::Group* group);
 
 // The 2-norm of the gradients of a model split by tensor parallelism over `tp` and, with `pp`,
 // into pipeline stages: the squares of sharded parameters' gradients summed over tp, those of
@@ -98,13 +99,14 @@ std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
 // pipeline each parameter must be listed on one stage only (a tied embedding on the first,
 // not again on the last). Parameters without a gradient count 0. Collective over tp and pp; the
 // same value on every rank.
-double grad_norm(const std::vector<ShardedParameter>& params, comm::Group* tp,
-                 comm::Group* pp = nullptr, milliseconds timeout = comm::kDefaultCollectiveTimeout);
+LOOM_API double grad_norm(const std::vector<ShardedParameter>& params, comm::Group* tp,
+                          comm::Group* pp = nullptr,
+                          milliseconds timeout = comm::kDefaultCollectiveTimeout);
 // torch::nn::utils::clip_grad_norm_'s rule on that norm: every gradient in `params` is scaled by
 // min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping.
-double clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm, comm::Group* tp,
-                      comm::Group* pp = nullptr,
-                      milliseconds timeout = comm::kDefaultCollectiveTimeout);
+LOOM_API double clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm,
+                               comm::Group* tp, comm::Group* pp = nullptr,
+                               milliseconds timeout = comm::kDefaultCollectiveTimeout);
 
 struct ColumnParallelOptions {
   bool bias = true;
@@ -120,7 +122,7 @@ struct ColumnParallelOptions {
 };
 
 // y = x W^T + b with W [out / size, in] on each rank: this rank's output features.
-class ColumnParallelLinearImpl : public torch::nn::Module {
+class LOOM_API ColumnParallelLinearImpl : public torch::nn::Module {
  public:
   // InvalidArgument naming the layer's sizes when out_features is not divisible by
   // partitions * group size.
@@ -153,7 +155,7 @@ struct RowParallelOptions {
 
 // y = sum over ranks of x_r W_r^T, + b, with W_r [out, in / size]: every rank gets all output
 // features (or, sequence parallel, its piece of the sequence).
-class RowParallelLinearImpl : public torch::nn::Module {
+class LOOM_API RowParallelLinearImpl : public torch::nn::Module {
  public:
   RowParallelLinearImpl(int64_t in_features, int64_t out_features, comm::Group* group,
                         RowParallelOptions options = {});
@@ -172,7 +174,7 @@ TORCH_MODULE(RowParallelLinear);
 // An embedding whose rows (the vocabulary) are split over the ranks: rank r holds ids
 // [r * V / size, (r + 1) * V / size); each rank looks up the ids it holds, zeros elsewhere,
 // and one all-reduce (or, sequence parallel, a reduce-scatter along the sequence) sums them.
-class VocabParallelEmbeddingImpl : public torch::nn::Module {
+class LOOM_API VocabParallelEmbeddingImpl : public torch::nn::Module {
  public:
   VocabParallelEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, comm::Group* group,
                              bool sequence_parallel = false, int64_t sequence_dim = 1,
@@ -201,8 +203,8 @@ TORCH_MODULE(VocabParallelEmbedding);
 // in logits' dtype. Two all-reduces (the max, then the sum of exponentials with the target's
 // logit); the full logits are never gathered. Gradients flow to `logits` (softmax minus the
 // one-hot target, this rank's columns).
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
-                                        int64_t vocab_begin, comm::Group* group,
-                                        milliseconds timeout = comm::kDefaultCollectiveTimeout);
+LOOM_API at::Tensor vocab_parallel_cross_entropy(
+    const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_begin, comm::Group* group,
+    milliseconds timeout = comm::kDefaultCollectiveTimeout);
 
 }  // namespace loom::parallel::tp

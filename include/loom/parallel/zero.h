@@ -11,10 +11,12 @@
 // ZeRO-3 (parameters sharded too, gathered before use) is FullyShardedDataParallel (fsdp.h).
 #pragma once
 
+#include "loom/visibility.h"
+
 namespace loom::parallel {
 
 enum class ZeroStage { kNone = 0, kOne = 1, kTwo = 2 };
 
-const char* to_string(ZeroStage stage);
+LOOM_API const char* to_string(ZeroStage stage);
 
 }  // namespace loom::parallel

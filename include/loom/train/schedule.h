@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <string>
 
+#include "loom/visibility.h"
+
 namespace loom::train {
 
 struct WarmupCosineOptions {
@@ -19,7 +21,7 @@ struct WarmupCosineOptions {
   int64_t total_steps = 0;   // warmup plus decay; steps at or past it get min_lr
 };
 
-class Schedule {
+class LOOM_API Schedule {
  public:
   // lr at every step. A negative or non-finite lr is InvalidArgument.
   static Schedule constant(double lr);

@@ -25,6 +25,7 @@
 
 #include "loom/config.h"
 #include "loom/train/schedule.h"
+#include "loom/visibility.h"
 
 namespace loom {
 class Runtime;
@@ -60,7 +61,7 @@ struct LossScaling {
   int64_t growth_interval = 2000;
 };
 
-struct TrainOptions {
+struct LOOM_API TrainOptions {
   int64_t steps = 1000;       // optimizer steps of the whole run (a resumed run counts on)
   int64_t micro_batches = 1;  // gradient accumulation: each rank's batch is split in this many
   double grad_clip = 1.0;     // max global gradient norm; 0 = no clipping (the norm is logged)
@@ -156,7 +157,7 @@ struct FitResult {
 // data::Reader or data::Mixture) must outlive it. fit() uses rt.store() (checkpoint agreement) and
 // rt.control_group() (the per-step loss and stop flag, CPU tensors); it sends nothing to
 // rt.world_group() itself: only the strategy's gradients and parameters travel there.
-class Trainer {
+class LOOM_API Trainer {
  public:
   Trainer(Runtime& rt, parallel::Strategy& strategy, data::BatchSource& reader,
           TrainOptions options, LossFn loss, Callbacks callbacks = {});
@@ -171,7 +172,7 @@ class Trainer {
   FitResult fit();
 
  private:
-  struct Impl;
+  struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;
 };
 
