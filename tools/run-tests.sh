@@ -14,8 +14,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
+# Each phase's duration, printed at the end (CI must stay under 40 minutes on 2 cores).
+phases=()
+phase_start=$start
+phase_done() {
+  local now
+  now=$(date +%s)
+  phases+=("$(printf '%5d s  %s' $((now - phase_start)) "$1")")
+  phase_start=$now
+}
 
 tools/install-deps.sh
+phase_done "install-deps"
 
 if [[ ${1:-} == --sanitize=* ]]; then
   exec tools/sanitize.sh "${1#--sanitize=}" "${@:2}"
@@ -23,6 +33,7 @@ fi
 
 echo "run-tests: building the CPU configuration (LOOM_WITH_CUDA=OFF)"
 tools/build.sh -DLOOM_WITH_CUDA=OFF
+phase_done "build, CPU configuration"
 
 if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc > /dev/null; then
   echo "run-tests: building the CUDA configuration (LOOM_WITH_CUDA=ON)"
@@ -35,16 +46,19 @@ if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc > /dev/null; then
   else
     echo "run-tests: no GPU visible; the CUDA build compiled and linked, its GPU tests not run"
   fi
+  phase_done "build, CUDA configuration"
 fi
 
 echo "run-tests: built in $(( $(date +%s) - start )) s; running ctest"
 ctest --test-dir build --output-on-failure --timeout 600 -j "$(nproc)" "$@"
+phase_done "ctest"
 # The unit tests under each sanitizer, when every test ran (no ctest arguments given).
 if [ $# -eq 0 ]; then
   for mode in ${LOOM_SANITIZERS:-address,undefined thread}; do
     [ "$mode" = none ] && continue
     echo "run-tests: the unit tests under -fsanitize=$mode (tools/sanitize.sh)"
     tools/sanitize.sh "$mode"
+    phase_done "sanitizer $mode: build and unit tests"
   done
 fi
 # The fuzzers, each for LOOM_FUZZ_SECONDS (30; 0 skips them), when every test ran (no ctest
@@ -54,5 +68,7 @@ fuzz_seconds=${LOOM_FUZZ_SECONDS:-30}
 if [ $# -eq 0 ] && [ "$fuzz_seconds" -gt 0 ]; then
   echo "run-tests: fuzzing every parser for $fuzz_seconds s (tools/fuzz.sh)"
   LOOM_FUZZ_SEED=${LOOM_FUZZ_SEED:-1} tools/fuzz.sh all "$fuzz_seconds"
+  phase_done "fuzzers: build and $fuzz_seconds s each"
 fi
+printf 'run-tests: %s\n' "${phases[@]}"
 echo "run-tests: passed in $(( $(date +%s) - start )) s"

@@ -13,7 +13,7 @@
 #                                         prefetch and remote cache, heartbeat and coordinator,
 #                                         subprocesses)
 #
-# Each test binary runs once, all its tests in one process (under ctest each test would pay
+# Each test binary runs once, all its tests in one process (one process per test would pay
 # the sanitizer's start-up with libtorch again: 5 minutes instead of 1). A report, a leak at
 # exit (LeakSanitizer, with ASan) or a failed test fails the run; its log is printed. The
 # suppressions (tests/sanitizers/) are for third-party code only, each saying why.
