@@ -125,8 +125,8 @@ fuzz_one() {
   [[ -d $seeds ]] && seed_count=$(find "$seeds" -type f | wc -l)
   [[ -d $regressions ]] && regression_count=$(find "$regressions" -type f | wc -l)
   echo "tools/fuzz.sh: $target: $seconds s," \
-    "$(grep -oE 'stat::number_of_executed_units: [0-9]+' "$log" | grep -oE '[0-9]+$') runs," \
-    "peak $(grep -oE 'stat::peak_rss_mb: [0-9]+' "$log" | grep -oE '[0-9]+$') MB," \
+    "$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$') runs," \
+    "peak $(grep -oE 'stat::peak_rss_mb: *[0-9]+' "$log" | grep -oE '[0-9]+$') MB," \
     "corpus $(find "$out/corpus/$target" -type f | wc -l) new + $seed_count seeds," \
     "$regression_count regression input(s) passed"
 }
