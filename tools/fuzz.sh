@@ -93,9 +93,12 @@ if [[ $target == all ]]; then
 else
   targets=$target
 fi
+# (pipefail: the pipeline fails when ninja does.)
 # shellcheck disable=SC2046
-ninja -C "$out" -j "${LOOM_JOBS:-$(nproc)}" $(printf 'fuzz_%s ' $targets) | grep -v '^ninja: Entering' || true
-[[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "tools/fuzz.sh: building the fuzzers failed" >&2; exit 1; }
+if ! ninja -C "$out" -j "${LOOM_JOBS:-$(nproc)}" $(printf 'fuzz_%s ' $targets) | sed '/^ninja: Entering/d'; then
+  echo "tools/fuzz.sh: building the fuzzers failed" >&2
+  exit 1
+fi
 
 # Leaks inside third-party libraries that Loom cannot fix, each explained in the file.
 export LSAN_OPTIONS="suppressions=$PWD/tests/sanitizers/lsan.supp:print_suppressions=0"
@@ -133,7 +136,8 @@ fuzz_one() {
 
 # Each fuzzer is one process on one core: run as many at once as there are cores.
 jobs=${LOOM_JOBS:-$(nproc)}
-echo "tools/fuzz.sh: fuzzing $(wc -w <<< "$targets") target(s) for $seconds s each, $jobs at a time"
+count=$(wc -w <<< "$targets")
+echo "tools/fuzz.sh: fuzzing $count target(s) for $seconds s each, $((count < jobs ? count : jobs)) at a time"
 failed=()
 running=()
 for t in $targets; do
