@@ -10,7 +10,6 @@ endif()
 # Sanitizers (tools/run-tests.sh --sanitize=...): every Loom target compiles and links with
 # -fsanitize=$LOOM_SANITIZE, e.g. "address,undefined" or "thread". Dependencies (libtorch,
 # gRPC, Gloo) stay uninstrumented: their own bugs are out of reach, and ours inside them too.
-set(LOOM_SANITIZE "" CACHE STRING "Sanitizers to build with: address,undefined or thread; empty: none")
 # UBSan's vptr check (the dynamic type behind every member call and downcast of a polymorphic
 # object) is left out unless LOOM_UBSAN_VPTR is ON: with ASan it makes each file a quarter
 # slower to compile (parallel/fsdp.cpp: 60 CPU-s with it, 47.5 without), which CI cannot
