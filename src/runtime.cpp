@@ -21,6 +21,7 @@
 #include "loom/control/store.h"
 #include "loom/data/reader.h"
 #include "loom/error.h"
+#include "loom/metrics/logger.h"
 #include "loom/parallel/mesh.h"
 #include "loom/version.h"
 #include "util/files.h"
@@ -391,6 +392,25 @@ comm::Group& Runtime::control_group() const {
 
 void Runtime::report_progress(int64_t step, double throughput, const std::string& state) const {
   if (impl_->heartbeat) impl_->heartbeat->update(step, throughput, state);
+}
+
+void Runtime::report_step(const metrics::StepMetrics& m) const {
+  if (!impl_->heartbeat) return;
+  control::StepSample sample{.step = m.record.step,
+                             .seconds = m.times.total,
+                             .tokens = m.record.tokens,
+                             .samples = m.record.samples,
+                             .mfu = m.mfu.value_or(-1),
+                             .rss_bytes = m.memory.rss_bytes,
+                             .loss = m.record.loss,
+                             .goodput = m.goodput.goodput};
+  for (size_t i = 0; i < metrics::kNumPhases; ++i)
+    sample.phase_seconds[metrics::to_string(static_cast<metrics::Phase>(i))] = m.times.seconds[i];
+  impl_->heartbeat->add_step(sample);
+  impl_->heartbeat->update(
+      m.record.step,
+      m.record.tokens > 0 ? m.tokens_per_second_smoothed : m.samples_per_second_smoothed,
+      "training");
 }
 
 std::unique_ptr<data::Reader> Runtime::open_dataset(const std::filesystem::path& dir,

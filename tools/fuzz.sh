@@ -29,7 +29,7 @@ declare -A parser=(
   [record_shard]=src/data/shard_format.cpp
   [safetensors]=src/ckpt/safetensors.cpp
   [torch_file]=src/ckpt/torch_file.cpp
-  [coordinator_rpc]=src/control/membership.cpp
+  [coordinator_rpc]="src/control/membership.cpp src/control/job_metrics.cpp"
 )
 
 usage() {

@@ -17,6 +17,7 @@ packages=(
   libcurl4-openssl-dev  # remote datasets (http, https, s3)
   curl                  # the S3 tests upload to s3rver with it
   nginx-light           # the remote-dataset tests serve shards with it on loopback
+  prometheus            # the observability test has it scrape a job's /metrics; promtool
   bible-kjv bible-kjv-text dataset-fashion-mnist
   python3-torch python3-numpy
   openssl  # the TLS tests make their certificates with it

@@ -36,6 +36,9 @@ namespace data {
 class Reader;
 struct ReaderOptions;
 }  // namespace data
+namespace metrics {
+struct StepMetrics;
+}  // namespace metrics
 namespace parallel {
 class DeviceMesh;
 }  // namespace parallel
@@ -155,6 +158,11 @@ class LOOM_API Runtime {
   // coordinator for dashboards and hang detection. Thread-safe; a no-op otherwise.
   void report_progress(int64_t step, double throughput,
                        const std::string& state = "training") const;
+  // Under `loom run`: a finished step for the coordinator's job-wide metrics (Prometheus,
+  // `loom top`, straggler detection; docs/observability.md), and the progress above.
+  // metrics::MetricsLogger::log_step calls it; a loop without one may. Thread-safe; a no-op
+  // otherwise.
+  void report_step(const metrics::StepMetrics& step) const;
 
  private:
   struct LOOM_HIDDEN Impl;

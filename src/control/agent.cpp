@@ -181,9 +181,17 @@ class Agent {
           .last_call = options.last_call,
           .max_restarts = options.max_restarts,
           .node_timeout = options.node_timeout,
-          .worker_timeout = options.worker_timeout});
+          .worker_timeout = options.worker_timeout,
+          .metrics_address = options.metrics_address,
+          .straggler_threshold = options.straggler_threshold,
+          .straggler_window = options.straggler_window});
       address_ = coordinator_->address();
       say("coordinator listening on ", address_);
+      if (!coordinator_->metrics_address().empty()) {
+        say("job metrics at http://", coordinator_->metrics_address(),
+            "/metrics (Prometheus) and /api/metrics (JSON; loom top ",
+            coordinator_->metrics_address(), ")");
+      }
     } else {
       address_ = options.coordinator;
     }

@@ -4,15 +4,18 @@
 #include "loom/control/coordinator.h"
 
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "control/auth.h"
 #include "control/membership.h"
+#include "control/step_report.h"
 #include "control/tls.h"
 #include "loom.grpc.pb.h"
 #include "loom/comm/store.h"
@@ -116,10 +119,15 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
   std::condition_variable changed;
   bool shutting_down = false;
   Membership membership;
+  JobMetrics job_metrics;
   int64_t flight_dump_epoch = 0;
 
   std::unique_ptr<grpc::Server> server;
   std::thread monitor;
+  // The metrics endpoint, when options.metrics_address is set.
+  std::unique_ptr<httplib::Server> http;
+  std::string http_address;
+  std::thread http_thread;
 
   explicit Impl(CoordinatorOptions opts)
       : options(std::move(opts)),
@@ -128,7 +136,10 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
                     .last_call = options.last_call,
                     .max_restarts = options.max_restarts,
                     .node_timeout = options.node_timeout,
-                    .worker_timeout = options.worker_timeout}) {
+                    .worker_timeout = options.worker_timeout}),
+        job_metrics({.history = options.metrics_history,
+                     .straggler_threshold = options.straggler_threshold,
+                     .straggler_window = options.straggler_window}) {
     if (!is_loopback(options.address)) {
       LOOM_CHECK(options.allow_non_loopback, InvalidArgument, "the coordinator would listen on ",
                  options.address,
@@ -151,7 +162,63 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
                                        "match the certificate?)"
                                      : " (address in use or not local?)");
     address = options.address.substr(0, options.address.rfind(':') + 1) + std::to_string(port);
+    if (!options.metrics_address.empty()) start_http();
     monitor = std::thread([this] { monitor_loop(); });
+  }
+
+  // The metrics endpoint: GET /metrics (Prometheus) and /api/metrics (JSON).
+  void start_http() {
+    const std::string& where = options.metrics_address;
+    const size_t colon = where.rfind(':');
+    LOOM_CHECK(colon != std::string::npos, InvalidArgument,
+               "the metrics address must be "
+               "host:port (port 0: any free port), got '",
+               where, "'");
+    const bool public_endpoint = !is_loopback(where);
+    if (public_endpoint) {
+      LOOM_CHECK(options.allow_non_loopback && !options.token.empty(), InvalidArgument,
+                 "the metrics endpoint would listen on ", where,
+                 ", beyond loopback: that needs --coordinator-public and a job token, which "
+                 "Prometheus then sends as 'Authorization: Bearer <token>'");
+    }
+    http = std::make_unique<httplib::Server>();
+    if (public_endpoint) {
+      http->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+        if (req.get_header_value("Authorization") == "Bearer " + options.token)
+          return httplib::Server::HandlerResponse::Unhandled;
+        res.status = 401;
+        res.set_content("wrong or missing job token (Authorization: Bearer <token>)\n",
+                        "text/plain");
+        return httplib::Server::HandlerResponse::Handled;
+      });
+    }
+    http->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      std::lock_guard<std::mutex> lock(mutex);
+      res.set_content(job_metrics.prometheus(membership.status()),
+                      "text/plain; version=0.0.4; charset=utf-8");
+    });
+    http->Get("/api/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      std::lock_guard<std::mutex> lock(mutex);
+      res.set_content(job_metrics.json(membership.status()), "application/json");
+    });
+    std::string host = where.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+    int port = 0;
+    try {
+      port = std::stoi(where.substr(colon + 1));
+    } catch (const std::exception&) {
+      port = -1;
+    }
+    LOOM_CHECK(port >= 0 && port <= 65535, InvalidArgument,
+               "the metrics address must be "
+               "host:port with a port in [0, 65535], got '",
+               where, "'");
+    const int bound =
+        port == 0 ? http->bind_to_any_port(host) : (http->bind_to_port(host, port) ? port : -1);
+    LOOM_CHECK(bound > 0, IoError, "the metrics endpoint cannot listen on ", where,
+               " (address in use or not local?)");
+    http_address = where.substr(0, colon + 1) + std::to_string(bound);
+    http_thread = std::thread([this] { http->listen_after_bind(); });
   }
 
   ~Impl() override {
@@ -162,6 +229,10 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     changed.notify_all();
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     monitor.join();
+    if (http) {
+      http->stop();
+      http_thread.join();
+    }
   }
 
   spdlog::logger& log() { return options.log ? *options.log : *spdlog::default_logger(); }
@@ -315,6 +386,18 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
   grpc::Status Heartbeat(grpc::ServerContext* c, const v1::HeartbeatRequest* req,
                          v1::HeartbeatReply* reply) override {
     if (auto s = check_token(c, "Heartbeat"); !s.ok()) return s;
+    std::optional<StepPoint> point;
+    if (req->rank() >= 0 && req->has_report() && req->report().steps() > 0) {
+      point = to_step_point(
+          req->generation(), req->report(),
+          std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+              .count());
+      try {
+        point->check();
+      } catch (const InvalidArgument& e) {
+        return invalid_argument(e);
+      }
+    }
     std::lock_guard<std::mutex> lock(mutex);
     HeartbeatResult r;
     try {
@@ -324,6 +407,12 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
               : membership.node_heartbeat(req->node_id(), req->generation());
     } catch (const InvalidArgument& e) {
       return invalid_argument(e);
+    }
+    if (point && r.state == HeartbeatResult::kRunning && r.generation == req->generation()) {
+      job_metrics.record(req->rank(), std::move(*point));
+      for (const JobMetrics::Event& event : job_metrics.take_events())
+        log().log(event.warning ? spdlog::level::warn : spdlog::level::info, "coordinator: {}",
+                  event.text);
     }
     reply->set_state(to_proto(r.state));
     reply->set_generation(r.generation);
@@ -406,6 +495,7 @@ Coordinator::Coordinator(CoordinatorOptions options)
     : impl_(std::make_unique<Impl>(std::move(options))) {}
 Coordinator::~Coordinator() = default;
 const std::string& Coordinator::address() const { return impl_->address; }
+const std::string& Coordinator::metrics_address() const { return impl_->http_address; }
 bool Coordinator::done() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->membership.done();

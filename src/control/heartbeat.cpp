@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <csignal>
 #include <mutex>
@@ -24,6 +25,9 @@ struct Heartbeat::Impl {
   int64_t step = 0;
   double throughput = 0;
   std::string state = "starting";
+  // The steps since the last beat: times, counts and mfu * seconds summed; the rest the newest.
+  int64_t steps = 0;
+  StepSample sums;
 
   std::thread thread;
 
@@ -31,6 +35,25 @@ struct Heartbeat::Impl {
       : options(std::move(o)),
         client(options.address, options.token, std::chrono::seconds(5), options.tls) {
     thread = std::thread([this] { loop(); });
+  }
+
+  // The report of the steps since the last beat, which starts a new one. mutex held.
+  void fill_report(v1::StepReport* report) {
+    const double n = static_cast<double>(steps);
+    report->set_steps(steps);
+    report->set_last_step(sums.step);
+    report->set_step_seconds(sums.seconds / n);
+    for (const auto& [phase, seconds] : sums.phase_seconds)
+      (*report->mutable_phase_seconds())[phase] = seconds / n;
+    const double seconds = std::max(sums.seconds, 1e-12);
+    report->set_tokens_per_second(static_cast<double>(sums.tokens) / seconds);
+    report->set_samples_per_second(static_cast<double>(sums.samples) / seconds);
+    report->set_mfu(sums.mfu < 0 ? -1 : sums.mfu / seconds);
+    report->set_rss_bytes(sums.rss_bytes);
+    report->set_loss(sums.loss);
+    report->set_goodput(sums.goodput);
+    steps = 0;
+    sums = {};
   }
 
   void loop() {
@@ -45,6 +68,7 @@ struct Heartbeat::Impl {
       beat.set_step(step);
       beat.set_throughput(throughput);
       beat.set_state(state);
+      if (steps > 0) fill_report(beat.mutable_report());
       lock.unlock();
       try {
         const auto reply = client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat);
@@ -92,6 +116,24 @@ void Heartbeat::update(int64_t step, double throughput, const std::string& state
   impl_->step = step;
   impl_->throughput = throughput;
   impl_->state = state;
+}
+
+void Heartbeat::add_step(const StepSample& sample) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  Impl& s = *impl_;
+  ++s.steps;
+  s.sums.step = sample.step;
+  s.sums.seconds += sample.seconds;
+  for (const auto& [phase, seconds] : sample.phase_seconds) s.sums.phase_seconds[phase] += seconds;
+  s.sums.tokens += sample.tokens;
+  s.sums.samples += sample.samples;
+  // MFU over the window: the steps' MFU weighted by their time (tokens over time, scaled).
+  s.sums.mfu = sample.mfu < 0 || (s.steps > 1 && s.sums.mfu < 0)
+                   ? -1
+                   : (s.steps > 1 ? s.sums.mfu : 0) + sample.mfu * sample.seconds;
+  s.sums.rss_bytes = sample.rss_bytes;
+  s.sums.loss = sample.loss;
+  s.sums.goodput = sample.goodput;
 }
 
 }  // namespace loom::control

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -26,6 +27,19 @@ struct HeartbeatOptions {
   std::shared_ptr<spdlog::logger> log;
 };
 
+// One finished step as the heartbeat reports it to the coordinator's job-wide metrics.
+struct StepSample {
+  int64_t step = 0;  // 0-based index
+  double seconds = 0;
+  std::map<std::string, double> phase_seconds;  // metrics::Phase names
+  int64_t tokens = 0;                           // trained on in the step, this rank
+  int64_t samples = 0;
+  double mfu = -1;  // the step's; < 0: unknown
+  int64_t rss_bytes = 0;
+  double loss = 0;
+  double goodput = 0;
+};
+
 // Starts beating at construction; the destructor stops and joins the thread. update() is
 // thread-safe. A coordinator that cannot be reached is logged (once per outage), not thrown:
 // the launcher decides what a lost coordinator means.
@@ -37,6 +51,10 @@ class Heartbeat {
   Heartbeat& operator=(const Heartbeat&) = delete;
 
   void update(int64_t step, double throughput, const std::string& state);
+  // Adds a finished step to the next beat's report, which carries the means of the steps
+  // since the previous beat (rates and MFU over their time; memory, loss and goodput the
+  // newest). Thread-safe.
+  void add_step(const StepSample& sample);
 
  private:
   struct Impl;

@@ -17,6 +17,7 @@ struct Coordinator::Impl {};
 Coordinator::Coordinator(CoordinatorOptions) { unavailable(); }
 Coordinator::~Coordinator() = default;
 const std::string& Coordinator::address() const { unavailable(); }
+const std::string& Coordinator::metrics_address() const { unavailable(); }
 bool Coordinator::done() const { unavailable(); }
 std::string generate_token() { unavailable(); }
 
@@ -43,5 +44,6 @@ struct Heartbeat::Impl {};
 Heartbeat::Heartbeat(HeartbeatOptions) { unavailable(); }
 Heartbeat::~Heartbeat() = default;
 void Heartbeat::update(int64_t, double, const std::string&) {}
+void Heartbeat::add_step(const StepSample&) {}
 
 }  // namespace loom::control

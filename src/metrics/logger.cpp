@@ -38,7 +38,9 @@ nlohmann::json optional_number(const std::optional<double>& v) {
 }  // namespace
 
 MetricsLogger::MetricsLogger(const Runtime& rt, MetricsOptions options)
-    : MetricsLogger(rt.run_dir(), rt.is_main(), rt.log(), std::move(options)) {}
+    : MetricsLogger(rt.run_dir(), rt.is_main(), rt.log(), std::move(options)) {
+  runtime_ = &rt;
+}
 
 MetricsLogger::MetricsLogger(const std::filesystem::path& run_dir, bool main_rank,
                              spdlog::logger& log, MetricsOptions options)
@@ -101,6 +103,7 @@ StepMetrics MetricsLogger::log_step(const StepRecord& record) {
   goodput_.on_step(record.step, std::max(0.0, m.times.total - m.times[Phase::kCheckpointStall]));
   m.goodput = goodput_.report();
   m.memory = process_memory();
+  if (runtime_ != nullptr) runtime_->report_step(m);
 
   if (!main_rank_) return m;
   if (jsonl_ != nullptr) {

@@ -576,20 +576,22 @@ struct Trainer::Impl {
     at::Tensor sums = at::tensor(
         {info.local_loss, g_stop_signal.load() != 0 ? 1.0 : 0.0, snapshot_in_flight() ? 1.0 : 0.0},
         at::kDouble);
-    rt.control_group().all_reduce(sums)->wait();
+    {
+      // A wait on the other ranks like the gradients': a fast rank waits here for a slow one.
+      auto phase = timer.phase(Phase::kCommWait);
+      rt.control_group().all_reduce(sums)->wait();
+    }
     info.loss = sums[0].item<double>() / rt.world_size();
     stop_agreed = sums[1].item<double>() > 0;
     snapshot_busy = sums[2].item<double>() > 0;
-    const metrics::StepMetrics logged =
-        metrics->log_step({.step = step,
-                           .epoch = static_cast<int64_t>(batch.epoch),
-                           .loss = info.loss,
-                           .lr = info.lr,
-                           .grad_norm = info.grad_norm,
-                           .tokens = tokens,
-                           .samples = samples});
-    rt.report_progress(
-        step, tokens > 0 ? logged.tokens_per_second_smoothed : logged.samples_per_second_smoothed);
+    // Also reported to the coordinator under `loom run` (Runtime::report_step).
+    metrics->log_step({.step = step,
+                       .epoch = static_cast<int64_t>(batch.epoch),
+                       .loss = info.loss,
+                       .lr = info.lr,
+                       .grad_norm = info.grad_norm,
+                       .tokens = tokens,
+                       .samples = samples});
     return info;
   }
 

@@ -3,13 +3,20 @@
 // ReportFailure, Leave, GetStatus), parsed from the bytes that follow and handed to the
 // membership state machine the way src/control/coordinator.cpp does, on a manual clock that
 // each request moves on. Only InvalidArgument may refuse a request (the handlers answer it
-// as INVALID_ARGUMENT); the state must stay consistent whatever the order.
+// as INVALID_ARGUMENT); the state must stay consistent whatever the order. A worker's step
+// report goes through the same check and into the job metrics, whose Prometheus and JSON
+// renderings are produced after every request.
 //
 // Input: records of [kind byte][length byte][length bytes of the message].
 #include <chrono>
+#include <optional>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "control/job_metrics.h"
 #include "control/membership.h"
+#include "control/step_report.h"
 #include "fuzz.h"
 #include "loom.pb.h"
 
@@ -42,6 +49,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 .worker_timeout = std::chrono::seconds(5),
                 .waiting_expiry = std::chrono::seconds(3)},
                [&now] { return now; });
+  loom::control::JobMetrics metrics({.history = 8, .straggler_window = 2});
   size_t at = 0;
   while (at + 2 <= size) {
     const uint8_t kind = data[at];
@@ -62,7 +70,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           v1::HeartbeatRequest r;
           if (!r.ParseFromArray(message, static_cast<int>(length))) break;
           if (r.rank() >= 0) {
-            (void)m.worker_heartbeat(r.rank(), r.generation(), r.step(), r.throughput(), r.state());
+            std::optional<loom::control::StepPoint> point;
+            if (r.has_report() && r.report().steps() > 0) {
+              point = loom::control::to_step_point(r.generation(), r.report(), 0);
+              point->check();
+            }
+            const auto result =
+                m.worker_heartbeat(r.rank(), r.generation(), r.step(), r.throughput(), r.state());
+            if (point && result.state == loom::control::HeartbeatResult::kRunning)
+              metrics.record(r.rank(), std::move(*point));
           } else {
             (void)m.node_heartbeat(r.node_id(), r.generation());
           }
@@ -92,7 +108,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     m.tick();
     (void)m.take_events();
+    (void)metrics.take_events();
     check_consistent(m);
+    // Both renderings of whatever was accepted: the JSON must parse, every exposition line
+    // must be a comment or "name[{labels}] value".
+    const loom::control::MembershipStatus status = m.status();
+    if (nlohmann::json::parse(metrics.json(status), nullptr, false).is_discarded())
+      __builtin_trap();
+    const std::string text = metrics.prometheus(status);
+    size_t line = 0;
+    while (line < text.size()) {
+      const size_t end = text.find('\n', line);
+      if (end == std::string::npos) __builtin_trap();
+      if (text[line] != '#' && text.find(' ', line) >= end) __builtin_trap();
+      line = end + 1;
+    }
   }
   return 0;
 }

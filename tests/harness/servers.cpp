@@ -8,6 +8,8 @@
 
 #include <httplib.h>
 
+#include <nlohmann/json.hpp>
+
 #include <chrono>
 #include <csignal>
 #include <fstream>
@@ -63,6 +65,57 @@ int free_port() {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   ::close(fd);
   return ntohs(addr.sin_port);
+}
+
+// ---- Prometheus ----
+
+Prometheus::Prometheus(std::vector<std::string> targets) : port_(free_port()) {
+  const fs::path d = dir_.path();
+  std::ostringstream conf;
+  conf << "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
+       << "scrape_configs:\n  - job_name: loom\n    static_configs:\n      - targets: [";
+  for (size_t i = 0; i < targets.size(); ++i) conf << (i ? ", " : "") << "'" << targets[i] << "'";
+  conf << "]\n";
+  std::ofstream(d / "prometheus.yml") << conf.str();
+  util::SubprocessOptions o;
+  o.argv = {"prometheus", "--config.file=" + (d / "prometheus.yml").string(),
+            "--storage.tsdb.path=" + (d / "data").string(),
+            "--web.listen-address=127.0.0.1:" + std::to_string(port_)};
+  o.output = d / "output.log";
+  process_ = std::make_unique<util::Subprocess>(util::Subprocess::spawn(o));
+  wait_until_accepting(port_, "prometheus", d / "output.log");
+  // It accepts connections before its storage is open, answering 503 until then.
+  httplib::Client client(url());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (;;) {
+    const auto res = client.Get("/-/ready");
+    if (res && res->status == 200) break;
+    LOOM_CHECK(std::chrono::steady_clock::now() < deadline, IoError,
+               "prometheus was not ready within 30 s; its log:\n", log());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+Prometheus::~Prometheus() {
+  process_->signal(SIGKILL);
+  process_->wait();
+}
+
+std::string Prometheus::url() const { return "http://127.0.0.1:" + std::to_string(port_); }
+
+std::string Prometheus::log() const { return util::read_file(dir_.path() / "output.log"); }
+
+std::string Prometheus::query(const std::string& expression) const {
+  httplib::Client client(url());
+  const auto res = client.Get("/api/v1/query", {{"query", expression}}, httplib::Headers{});
+  LOOM_CHECK(res, IoError, "prometheus query '", expression,
+             "' failed: ", httplib::to_string(res.error()));
+  LOOM_CHECK(res->status == 200, IoError, "prometheus query '", expression, "': status ",
+             res->status, ": ", res->body);
+  const auto answer = nlohmann::json::parse(res->body, nullptr, /*allow_exceptions=*/false);
+  LOOM_CHECK(answer.is_object() && answer.value("status", "") == "success", IoError,
+             "prometheus query '", expression, "' did not succeed: ", res->body);
+  return answer["data"]["result"].dump();
 }
 
 // ---- Nginx ----

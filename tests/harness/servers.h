@@ -69,6 +69,24 @@ class S3rver {
   std::unique_ptr<util::Subprocess> process_;
 };
 
+// Debian's Prometheus server on loopback, scraping `targets` (host:port) every second at
+// /metrics, its data in a temporary directory.
+class Prometheus {
+ public:
+  explicit Prometheus(std::vector<std::string> targets);
+  ~Prometheus();
+  std::string url() const;
+  // An instant query over the HTTP API (/api/v1/query): the "data.result" array of the
+  // answer, as JSON text. A failed request or an error status is IoError with the body.
+  std::string query(const std::string& expression) const;
+  std::string log() const;
+
+ private:
+  TempDir dir_{"loom-prometheus"};
+  int port_;
+  std::unique_ptr<util::Subprocess> process_;
+};
+
 // An HTTP server in this process serving the files of `root`, with ranges, where a fault
 // function decides what each request gets. Thread-safe; counts requests per path.
 class FaultyServer {

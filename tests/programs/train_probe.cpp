@@ -3,7 +3,8 @@
 // appended to <run_dir>/losses_rank<r>.txt as "<step> <loss in hexfloat>", so that tests can
 // compare runs bit for bit, and the final parameters go to <run_dir>/params_rank<r>.bin as raw
 // bytes; probe.kill_at_step makes rank 1 SIGKILL itself in generation 1;
-// probe.hidden_bias=false changes the model, probe.optimizer_lr the optimizer's own rate.
+// probe.hidden_bias=false changes the model, probe.optimizer_lr the optimizer's own rate;
+// probe.straggler_ms makes rank 1 slower than the others.
 #include <loom/loom.h>
 #include <torch/torch.h>
 
@@ -50,6 +51,8 @@ int main(int argc, char** argv) {
   keys.add("probe.optimizer_lr", 1e-3, "the AdamW optimizer's own learning rate");
   keys.add("probe.step_ms", int64_t{0},
            "each step's loss waits this long first (a stand-in for a larger model's compute)");
+  keys.add("probe.straggler_ms", int64_t{0},
+           "rank 1's loss waits this much longer each step (a straggler)");
   return loom::run_main(argc, argv, keys, [](loom::Runtime& rt) {
     const loom::Config& cfg = rt.config();
     auto reader = rt.open_dataset(cfg.get<std::string>("probe.data"),
@@ -65,7 +68,9 @@ int main(int argc, char** argv) {
         loom::optim::AdamWOptions{.lr = cfg.get<double>("probe.optimizer_lr")}));
     at::manual_seed(rt.rank_seed());  // dropout differs per rank, reproducibly
     const int64_t kill_at = cfg.get<int64_t>("probe.kill_at_step");
-    const auto step_time = std::chrono::milliseconds(cfg.get<int64_t>("probe.step_ms"));
+    const auto step_time =
+        std::chrono::milliseconds(cfg.get<int64_t>("probe.step_ms") +
+                                  (rt.rank() == 1 ? cfg.get<int64_t>("probe.straggler_ms") : 0));
     std::FILE* losses = std::fopen(
         (rt.run_dir() / ("losses_rank" + std::to_string(rt.rank()) + ".txt")).c_str(), "a");
     loom::train::Trainer trainer(

@@ -25,6 +25,9 @@ void register_run(CLI::App& app, Action& action);
 // `loom flight ...`: read the collectives' flight-recorder dumps (flight.cpp).
 void register_flight(CLI::App& app, Action& action);
 
+// `loom top ADDRESS`: the live view of a job's metrics endpoint (top.cpp, top_view.cpp).
+void register_top(CLI::App& app, Action& action);
+
 // `loom ckpt ls|verify|show`: list, verify and inspect checkpoints (ckpt.cpp).
 void register_ckpt(CLI::App& app, Action& action);
 

@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
   loom::cli::register_data(app, action);
   loom::cli::register_flight(app, action);
   loom::cli::register_ckpt(app, action);
+  loom::cli::register_top(app, action);
 
   try {
     app.parse(argc, argv);

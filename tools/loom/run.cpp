@@ -38,6 +38,9 @@ struct RunArgs {
   double worker_timeout_s = seconds_of(kAgentDefaults.worker_timeout);
   double last_call_s = seconds_of(kAgentDefaults.last_call);
   std::string tls_cert, tls_key, tls_ca;
+  std::string metrics_address;
+  double straggler_threshold = kAgentDefaults.straggler_threshold;
+  size_t straggler_window = kAgentDefaults.straggler_window;
   std::vector<std::string> program;
 };
 
@@ -148,6 +151,9 @@ int run(RunArgs args) {
   o.node_timeout = ms(args.node_timeout_s);
   o.worker_timeout = ms(args.worker_timeout_s);
   o.last_call = ms(args.last_call_s);
+  o.metrics_address = args.metrics_address;
+  o.straggler_threshold = args.straggler_threshold;
+  o.straggler_window = args.straggler_window;
   return control::run_agent(o);
 }
 
@@ -222,6 +228,18 @@ void register_run(CLI::App& app, Action& action) {
   run_cmd->add_option("--tls-ca", args->tls_ca,
                       "TLS: the PEM certificate of the CA that signed every node's certificate; "
                       "the coordinator and its clients verify each other against it");
+  run_cmd->add_option("--metrics-address", args->metrics_address,
+                      "node 0: serve the job's metrics over HTTP at host:port: /metrics for "
+                      "Prometheus, /api/metrics for `loom top` (port 0: any; see the log)");
+  run_cmd
+      ->add_option("--straggler-threshold", args->straggler_threshold,
+                   "flag a rank whose step time outside collective waits exceeds this many "
+                   "times the other ranks' median")
+      ->capture_default_str();
+  run_cmd
+      ->add_option("--straggler-window", args->straggler_window,
+                   "heartbeats (about one a second) each rank's median is taken over")
+      ->capture_default_str();
   run_cmd->add_option("program", args->program, "the program and its arguments (after --)")
       ->required();
   run_cmd->footer(
@@ -233,6 +251,8 @@ void register_run(CLI::App& app, Action& action) {
       "  node 1: LOOM_JOB_TOKEN=<printed by node 0> loom run --nnodes 2 --node-rank 1 "
       "--coordinator 10.0.0.1:29400 -- prog\n"
       "  torchrun's programs: loom run --nproc_per_node 2 -- python3 train.py\n"
+      "  Prometheus and `loom top`: loom run --metrics-address 127.0.0.1:9400 ... ; "
+      "loom top 127.0.0.1:9400\n"
       "  TLS (mutual): add --tls-cert node.pem --tls-key node.key --tls-ca ca.pem on every "
       "node\n"
       "Each worker gets LOOM_RANK, LOOM_WORLD_SIZE, LOOM_LOCAL_RANK, LOOM_COORDINATOR, "

@@ -43,6 +43,10 @@ struct AgentOptions {
   std::chrono::milliseconds node_timeout = kDefaultNodeTimeout;
   std::chrono::milliseconds worker_timeout = kDefaultWorkerTimeout;
   std::chrono::milliseconds last_call = kDefaultLastCall;
+  // The hosted coordinator's metrics endpoint and straggler detection (CoordinatorOptions).
+  std::string metrics_address;
+  double straggler_threshold = CoordinatorOptions{}.straggler_threshold;
+  size_t straggler_window = CoordinatorOptions{}.straggler_window;
 };
 
 // Runs the job on this node until it finishes, fails or is stopped by SIGINT/SIGTERM (which it

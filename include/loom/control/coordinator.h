@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -44,6 +45,18 @@ struct CoordinatorOptions {
   // A worker that has sent a heartbeat in this generation and then stays silent this long is
   // dead or hung: its generation ends (as a failure).
   std::chrono::milliseconds worker_timeout = kDefaultWorkerTimeout;
+  // Job-wide metrics over HTTP (docs/observability.md): host:port for `/metrics` (the
+  // Prometheus text format) and `/api/metrics` (JSON, for `loom top`); port 0 picks one;
+  // empty = no HTTP endpoint. Beyond loopback it needs allow_non_loopback and the token,
+  // which every request then carries as "Authorization: Bearer <token>".
+  std::string metrics_address;
+  // Points kept per rank: each worker heartbeat (about 1 Hz) with finished steps adds one.
+  size_t metrics_history = 3600;
+  // A rank is flagged as a straggler (logged, and in /metrics) while the median of its
+  // newest straggler_window reports' step time outside collective waits exceeds
+  // straggler_threshold times the other ranks' median.
+  double straggler_threshold = 1.3;
+  size_t straggler_window = 10;
   // Where it logs generations, failures and refused calls; null = spdlog's default logger.
   std::shared_ptr<spdlog::logger> log;
 };
@@ -60,6 +73,8 @@ class LOOM_API Coordinator {
 
   // The address it listens on, with the port chosen ("127.0.0.1:40123").
   const std::string& address() const;
+  // The metrics endpoint's address with its port ("127.0.0.1:40124"); empty when none.
+  const std::string& metrics_address() const;
   // True once the job finished or failed for good.
   bool done() const;
 

@@ -80,7 +80,9 @@ struct StepMetrics {
 
 class LOOM_API MetricsLogger {
  public:
-  // Files go to rt.run_dir(), lines to rt.log(); only rank 0 writes files and prints.
+  // Files go to rt.run_dir(), lines to rt.log(); only rank 0 writes files and prints. Every
+  // step is also reported to rt (Runtime::report_step: the coordinator's job-wide metrics
+  // under `loom run`), which must outlive the logger.
   MetricsLogger(const Runtime& rt, MetricsOptions options);
   // The same with everything explicit (tests, tools).
   MetricsLogger(const std::filesystem::path& run_dir, bool main_rank, spdlog::logger& log,
@@ -115,6 +117,7 @@ class LOOM_API MetricsLogger {
   spdlog::logger& log_;
   bool tty_;
   std::filesystem::path jsonl_path_;
+  const Runtime* runtime_ = nullptr;  // reported to, when constructed from one
 
   // Training-thread state.
   StepTimer timer_;

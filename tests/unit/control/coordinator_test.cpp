@@ -4,7 +4,10 @@
 #include "loom/control/coordinator.h"
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -80,6 +83,136 @@ TEST(Coordinator, ARoundAssignsNodeRanksAndRankOffsets) {
   EXPECT_EQ(replies[2].rank_offset(), 0);  // node rank 0: 1 worker
   EXPECT_EQ(replies[1].rank_offset(), 1);  // node rank 1: 3 workers
   EXPECT_EQ(replies[0].rank_offset(), 4);  // node rank 2: 2 workers
+}
+
+// A worker heartbeat of `generation` carrying a report of one step of `busy` seconds.
+v1::HeartbeatReply report_step(const CoordinatorClient& client, int rank, int64_t generation,
+                               int64_t step, double busy) {
+  v1::HeartbeatRequest beat;
+  beat.set_rank(rank);
+  beat.set_generation(generation);
+  beat.set_step(step);
+  v1::StepReport& report = *beat.mutable_report();
+  report.set_steps(1);
+  report.set_last_step(step);
+  report.set_step_seconds(0.5);
+  (*report.mutable_phase_seconds())["forward_backward"] = busy;
+  (*report.mutable_phase_seconds())["comm_wait"] = 0.5 - busy;
+  report.set_tokens_per_second(100 * (rank + 1));
+  report.set_mfu(-1);
+  return client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat);
+}
+
+// The lines of a Prometheus exposition that are samples (no comments).
+std::vector<std::string> samples(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line[0] != '#') out.push_back(line);
+  }
+  return out;
+}
+
+TEST(Coordinator, ServesTheJobsMetricsAndStragglersOverHttp) {
+  Coordinator coordinator({.metrics_address = "127.0.0.1:0", .straggler_window = 2});
+  const std::string where = coordinator.metrics_address();
+  ASSERT_EQ(where.rfind("127.0.0.1:", 0), 0u) << where;
+  CoordinatorClient client(coordinator.address(), "", milliseconds(5000));
+  ASSERT_EQ(join(client, "a", 2, 0).generation(), 1);
+  for (int64_t step = 0; step < 2; ++step) {
+    report_step(client, 0, 1, step, 0.125);
+    report_step(client, 1, 1, step, 0.375);  // three times rank 0's work: a straggler
+  }
+  // Ignored: a report of another generation, and a heartbeat without finished steps.
+  report_step(client, 0, 7, 9, 0.125);
+  v1::HeartbeatRequest idle;
+  idle.set_rank(1);
+  idle.set_generation(1);
+  idle.set_step(5);
+  client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, idle);
+
+  // A malformed report is refused whole: the heartbeat changes nothing.
+  v1::HeartbeatRequest bad;
+  bad.set_rank(0);
+  bad.set_generation(1);
+  bad.set_step(99);
+  bad.mutable_report()->set_steps(1);
+  bad.mutable_report()->set_step_seconds(-1);
+  const auto refused = error_of<InvalidArgument>(
+      [&] { client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, bad); });
+  EXPECT_NE(refused.find("step_seconds must be finite and >= 0, got -1"), std::string::npos)
+      << refused;
+
+  httplib::Client http("http://" + where);
+  const auto res = http.Get("/metrics");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->get_header_value("Content-Type"), "text/plain; version=0.0.4; charset=utf-8");
+  std::vector<std::string> lines;
+  for (const std::string& line : samples(res->body)) {
+    if (line.rfind("loom_rank_heartbeat_age_seconds", 0) != 0) lines.push_back(line);
+  }
+  EXPECT_EQ(lines, (std::vector<std::string>{
+                       "loom_generation 1",
+                       "loom_restarts_total 0",
+                       "loom_world_size 2",
+                       "loom_job_running 1",
+                       "loom_job_tokens_per_second 300",
+                       "loom_job_samples_per_second 0",
+                       "loom_job_step_seconds 0.5",
+                       "loom_job_goodput_ratio 0",
+                       "loom_job_loss 0",
+                       "loom_job_stragglers 1",
+                       "loom_rank_step{rank=\"0\"} 1",
+                       "loom_rank_step{rank=\"1\"} 1",
+                       "loom_rank_step_seconds{rank=\"0\"} 0.5",
+                       "loom_rank_step_seconds{rank=\"1\"} 0.5",
+                       "loom_rank_busy_seconds{rank=\"0\"} 0.125",
+                       "loom_rank_busy_seconds{rank=\"1\"} 0.375",
+                       "loom_rank_phase_seconds{rank=\"0\",phase=\"comm_wait\"} 0.375",
+                       "loom_rank_phase_seconds{rank=\"0\",phase=\"forward_backward\"} 0.125",
+                       "loom_rank_phase_seconds{rank=\"1\",phase=\"comm_wait\"} 0.125",
+                       "loom_rank_phase_seconds{rank=\"1\",phase=\"forward_backward\"} 0.375",
+                       "loom_rank_tokens_per_second{rank=\"0\"} 100",
+                       "loom_rank_tokens_per_second{rank=\"1\"} 200",
+                       "loom_rank_samples_per_second{rank=\"0\"} 0",
+                       "loom_rank_samples_per_second{rank=\"1\"} 0",
+                       "loom_rank_resident_memory_bytes{rank=\"0\"} 0",
+                       "loom_rank_resident_memory_bytes{rank=\"1\"} 0",
+                       "loom_rank_straggler{rank=\"0\"} 0",
+                       "loom_rank_straggler{rank=\"1\"} 1",
+                   }));
+  const auto api = http.Get("/api/metrics");
+  ASSERT_TRUE(api);
+  EXPECT_EQ(api->get_header_value("Content-Type"), "application/json");
+  const auto j = nlohmann::json::parse(api->body);
+  ASSERT_EQ(j["stragglers"].size(), 1u);
+  EXPECT_EQ(j["stragglers"][0]["rank"], 1);
+  EXPECT_EQ(j["stragglers"][0]["phase"], "forward_backward");
+  EXPECT_EQ(j["stragglers"][0]["ratio"], 3.0);
+  EXPECT_EQ(j["ranks"][1]["series"].size(), 2u);
+  EXPECT_EQ(http.Get("/nothing")->status, 404);
+}
+
+TEST(Coordinator, AMetricsEndpointBeyondLoopbackNeedsTheTokenAsABearer) {
+  auto message = error_of<InvalidArgument>(
+      [] { Coordinator({.token = "t", .metrics_address = "0.0.0.0:0"}); });
+  EXPECT_NE(message.find("needs --coordinator-public and a job token"), std::string::npos)
+      << message;
+  message = error_of<InvalidArgument>([] { Coordinator({.metrics_address = "9400"}); });
+  EXPECT_NE(message.find("must be host:port"), std::string::npos) << message;
+  Coordinator open({.allow_non_loopback = true, .token = "t", .metrics_address = "0.0.0.0:0"});
+  const std::string port = open.metrics_address().substr(open.metrics_address().rfind(':') + 1);
+  httplib::Client http("http://127.0.0.1:" + port);
+  const auto refused = http.Get("/metrics");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 401);
+  EXPECT_EQ(refused->body, "wrong or missing job token (Authorization: Bearer <token>)\n");
+  EXPECT_EQ(http.Get("/metrics", {{"Authorization", "Bearer wrong"}})->status, 401);
+  const auto ok = http.Get("/metrics", {{"Authorization", "Bearer t"}});
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+  EXPECT_EQ(samples(ok->body)[0], "loom_generation 0");
 }
 
 TEST(Coordinator, AReportedFailureEndsTheGenerationAndCountsAsARestart) {

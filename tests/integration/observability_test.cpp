@@ -1,0 +1,127 @@
+// Job-wide metrics end to end: a 2-rank Trainer job under `loom run` with its metrics endpoint
+// on, scraped by Debian's Prometheus server on loopback and queried over Prometheus's HTTP API;
+// `promtool check metrics` on the endpoint's output; a rank made slow on purpose flagged as a
+// straggler in the log, /metrics and `loom top`. The worker is tests/programs/train_probe.cpp.
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <chrono>
+#include <csignal>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "harness/harness.h"
+#include "harness/servers.h"
+#include "loom/data/dataset.h"
+#include "util/files.h"
+#include "util/subprocess.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+using testing::TempDir;
+
+const std::string kLoom = LOOM_BINARY_DIR "/tools/loom/loom";
+const std::string kProbe = LOOM_BINARY_DIR "/tests/loom_train_probe";
+
+// The value of the only sample a Prometheus query answered, or nullopt when it has none yet.
+std::optional<double> only_value(const std::string& result) {
+  const json r = json::parse(result);
+  if (r.size() != 1) return std::nullopt;
+  return std::stod(r[0]["value"][1].get<std::string>());
+}
+
+// Polls `check` every 200 ms until it holds or `timeout` passed; whether it held.
+bool eventually(std::chrono::seconds timeout, const std::function<bool()>& check) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    if (check()) return true;
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+TEST(Observability, PrometheusScrapesARunningJobAndItsStragglerIsFlagged) {
+  if (!LOOM_WITH_GRPC) GTEST_SKIP() << "needs `loom run` (LOOM_WITH_GRPC=ON)";
+  if (std::system("command -v prometheus >/dev/null && command -v promtool >/dev/null") != 0) {
+    GTEST_SKIP() << "needs Debian's prometheus (tools/install-deps.sh)";
+  }
+  TempDir dir;
+  data::TokenDatasetWriter writer(dir / "data", {.vocab_size = 64});
+  std::mt19937 rng(7);
+  for (int d = 0; d < 100; ++d) {
+    std::vector<uint32_t> doc;
+    for (int i = 0; i < 60; ++i) doc.push_back(static_cast<uint32_t>(rng() % 64));
+    writer.add_document(doc);
+  }
+  writer.finish();
+
+  const std::string metrics = "127.0.0.1:" + std::to_string(testing::free_port());
+  testing::Prometheus prometheus({metrics});
+  // Rank 1 spends 60 ms more per step in its loss (forward_backward) than rank 0; rank 0
+  // waits for it in comm_wait. The job runs until the test stops it (SIGTERM).
+  const fs::path output = dir / "job.out";
+  util::Subprocess job = util::Subprocess::spawn(
+      {.argv = {kLoom, "run", "--nproc-per-node", "2", "--run-dir", (dir / "run").string(),
+                "--metrics-address", metrics, "--straggler-window", "3", "--", kProbe,
+                "--probe.data=" + (dir / "data").string(), "--run.threads=1",
+                "--train.steps=100000", "--train.checkpoint_every=0", "--train.log_every=100000",
+                "--probe.step_ms=20", "--probe.straggler_ms=60"},
+       .output = output});
+  const auto job_output = [&] { return fs::exists(output) ? util::read_file(output) : ""; };
+
+  // Prometheus has scraped the job's throughput and generation.
+  std::optional<double> tokens, generation;
+  ASSERT_TRUE(eventually(std::chrono::seconds(90),
+                         [&] {
+                           tokens = only_value(prometheus.query("loom_job_tokens_per_second"));
+                           generation = only_value(prometheus.query("loom_generation"));
+                           return tokens && *tokens > 0 && generation;
+                         }))
+      << "no tokens/s in Prometheus; job:\n"
+      << job_output() << "\nprometheus:\n"
+      << prometheus.log();
+  EXPECT_EQ(*generation, 1);
+  // 2 ranks x 8 samples x 16 tokens per step at no more than one step per 20 ms.
+  EXPECT_LE(*tokens, 2 * 8 * 16 / 0.020);
+  // Every rank reports, and rank 1 is flagged as the straggler, rank 0 not.
+  ASSERT_TRUE(eventually(std::chrono::seconds(60), [&] {
+    return only_value(prometheus.query("loom_rank_straggler{rank=\"1\"}")) == 1.0 &&
+           only_value(prometheus.query("loom_rank_straggler{rank=\"0\"}")) == 0.0;
+  })) << job_output();
+  const auto busy0 = only_value(prometheus.query("loom_rank_busy_seconds{rank=\"0\"}"));
+  const auto busy1 = only_value(prometheus.query("loom_rank_busy_seconds{rank=\"1\"}"));
+  ASSERT_TRUE(busy0 && busy1);
+  EXPECT_GT(*busy1, *busy0 + 0.04) << "rank 1 works 60 ms more per step";
+  EXPECT_TRUE(testing::contains(job_output(), "coordinator: rank 1 is a straggler: "))
+      << job_output();
+  EXPECT_TRUE(testing::contains(job_output(), "most of the difference is in forward_backward"))
+      << job_output();
+
+  // The endpoint's output passes promtool's format and naming checks.
+  httplib::Client http("http://" + metrics);
+  const auto res = http.Get("/metrics");
+  ASSERT_TRUE(res);
+  util::write_file_atomic(dir / "metrics.txt", res->body);
+  const auto check = testing::run_program(
+      {"sh", "-c", "promtool check metrics < " + (dir / "metrics.txt").string()}, dir.path());
+  EXPECT_EQ(check.exit_code, 0) << check.output << "\n" << res->body;
+  EXPECT_EQ(check.output, "") << "promtool found problems";
+
+  // `loom top` shows the same job once.
+  const auto top = testing::run_program({kLoom, "top", "--once", metrics}, dir.path());
+  EXPECT_EQ(top.exit_code, 0) << top.output;
+  EXPECT_TRUE(testing::contains(top.output, "generation 1 running, world 2")) << top.output;
+  EXPECT_TRUE(testing::contains(top.output, "straggler: rank 1")) << top.output;
+
+  job.signal(SIGTERM);
+  const auto status = job.wait_for(std::chrono::seconds(60));
+  ASSERT_TRUE(status.has_value()) << "loom run did not stop on SIGTERM";
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,100 @@
+// `loom top`'s table from the coordinator's /api/metrics JSON.
+#include "top_view.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "loom/error.h"
+
+namespace loom::cli {
+namespace {
+
+using nlohmann::json;
+
+std::string percent(const json& v) {
+  return v.is_number() ? fmt::format("{:.1f}%", 100 * v.get<double>()) : "-";
+}
+
+double phase(const json& point, const char* name) {
+  const json& phases = point.at("phase_seconds");
+  return phases.contains(name) ? phases.at(name).get<double>() : 0.0;
+}
+
+}  // namespace
+
+std::string render_top(const std::string& api_metrics_json) {
+  const json j = json::parse(api_metrics_json, nullptr, /*allow_exceptions=*/false);
+  LOOM_CHECK(j.is_object() && j.contains("job") && j.contains("ranks") && j.contains("stragglers"),
+             InvalidArgument,
+             "not the coordinator's /api/metrics answer (no job, ranks and stragglers): ",
+             api_metrics_json.substr(0, 200));
+  try {
+    const json& job = j.at("job");
+    const int64_t generation = job.at("generation").get<int64_t>();
+    std::map<int, std::string> flagged;
+    for (const json& s : j.at("stragglers")) {
+      flagged[s.at("rank").get<int>()] = fmt::format(
+          "straggler: rank {}, {:.2f}x the other ranks' time outside collective waits, most in {} "
+          "(+{:.3f} s)",
+          s.at("rank").get<int>(), s.at("ratio").get<double>(), s.at("phase").get<std::string>(),
+          s.at("phase_excess_seconds").get<double>());
+    }
+    // Each rank's newest report in the current generation.
+    std::vector<std::pair<int, const json*>> rows;
+    double tokens = 0;
+    std::vector<double> steps;
+    const json* main_point = nullptr;
+    for (const json& r : j.at("ranks")) {
+      const json& series = r.at("series");
+      if (series.empty() || series.back().at("generation").get<int64_t>() != generation) continue;
+      const int rank = r.at("rank").get<int>();
+      rows.emplace_back(rank, &series.back());
+      tokens += series.back().at("tokens_per_second").get<double>();
+      steps.push_back(series.back().at("step_seconds").get<double>());
+      if (rank == 0) main_point = &series.back();
+    }
+    std::string out = fmt::format("generation {} {}, world {}, restarts {}", generation,
+                                  job.at("state").get<std::string>(),
+                                  job.at("world_size").get<int>(), job.at("restarts").get<int>());
+    if (!rows.empty()) {
+      std::sort(steps.begin(), steps.end());
+      const size_t n = steps.size();
+      const double median = n % 2 ? steps[n / 2] : (steps[n / 2 - 1] + steps[n / 2]) / 2;
+      out += fmt::format(" | {:.0f} tokens/s | step {:.3f} s", tokens, median);
+      if (main_point != nullptr) {
+        out +=
+            fmt::format(" | MFU {} | goodput {} | loss {:.4f}", percent(main_point->at("mfu")),
+                        percent(main_point->at("goodput")), main_point->at("loss").get<double>());
+      }
+    }
+    if (!job.at("last_failure").get<std::string>().empty())
+      out += "\nlast failure: " + job.at("last_failure").get<std::string>();
+    out += "\n";
+    if (rows.empty()) return out + "no step reported in this generation yet\n";
+    out += fmt::format("{:>4} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10} {:>6} {:>8}\n",
+                       "rank", "step", "step_s", "busy_s", "data", "fwd_bwd", "comm", "optim",
+                       "ckpt", "tokens/s", "mfu", "rss_MiB");
+    for (const auto& [rank, p] : rows) {
+      out += fmt::format(
+          "{:>4} {:>8} {:>7.3f} {:>7.3f} {:>7.3f} {:>7.3f} {:>7.3f} {:>7.3f} {:>7.3f} {:>10.0f} "
+          "{:>6} {:>8.1f}{}\n",
+          rank, p->at("last_step").get<int64_t>(), p->at("step_seconds").get<double>(),
+          p->at("busy_seconds").get<double>(), phase(*p, "data_wait"),
+          phase(*p, "forward_backward"), phase(*p, "comm_wait"), phase(*p, "optimizer"),
+          phase(*p, "checkpoint_stall"), p->at("tokens_per_second").get<double>(),
+          percent(p->at("mfu")), static_cast<double>(p->at("rss_bytes").get<int64_t>()) / (1 << 20),
+          flagged.count(rank) ? "  << straggler" : "");
+    }
+    for (const auto& [rank, line] : flagged) out += line + "\n";
+    return out;
+  } catch (const json::exception& e) {
+    throw InvalidArgument(
+        detail::concat("the coordinator's /api/metrics answer lacks a field: ", e.what()));
+  }
+}
+
+}  // namespace loom::cli
