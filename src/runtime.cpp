@@ -24,6 +24,7 @@
 #include "loom/metrics/logger.h"
 #include "loom/parallel/mesh.h"
 #include "loom/version.h"
+#include "metrics/activity.h"
 #include "util/files.h"
 #include "util/mix.h"
 
@@ -148,6 +149,34 @@ struct Runtime::Impl {
     return control ? run_dir / "flight" / "control" : run_dir / "flight";
   }
 
+  // The oldest collective in flight on the world or control group, for the heartbeat:
+  // "all_reduce #83 on world (float32 x 4096), started 12.3 s ago"; "" when none.
+  std::string collective_in_flight() {
+    std::lock_guard<std::mutex> lock(mutex);
+    std::optional<comm::FlightEntry> oldest;
+    const comm::Group* owner = nullptr;
+    for (const comm::Group* group : {world_group.get(), control_group.get()}) {
+      if (group == nullptr) continue;
+      for (comm::FlightEntry& e : group->flight_recorder().snapshot()) {
+        if (e.state != comm::OpState::kEnqueued && e.state != comm::OpState::kStarted) continue;
+        if (!oldest || e.enqueue_us < oldest->enqueue_us) {
+          oldest = std::move(e);
+          owner = group;
+        }
+        break;  // the group's oldest in flight
+      }
+    }
+    if (!oldest) return "";
+    const bool started = oldest->state == comm::OpState::kStarted;
+    const int64_t since = started ? oldest->start_us : oldest->enqueue_us;
+    const int64_t now_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
+    return fmt::format("{} #{} on {} ({} x {}), {} {:.1f} s ago", oldest->op, oldest->sequence,
+                       owner->name(), oldest->dtype.empty() ? "-" : oldest->dtype, oldest->numel,
+                       started ? "started" : "enqueued", static_cast<double>(now_us - since) / 1e6);
+  }
+
   // Writes the groups' flight recorders to <run_dir>/flight (a coordinator request).
   void dump_flight() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -240,14 +269,18 @@ Runtime Runtime::init(const Config& config, const Topology& topology, bool confi
                      impl->device.str(), impl->threads, impl->seed);
   if (topology.generation > 0 && !topology.coordinator.empty()) {
     Impl* raw = impl.get();
-    impl->heartbeat = std::make_unique<control::Heartbeat>(
-        control::HeartbeatOptions{.address = topology.coordinator,
-                                  .token = topology.job_token,
-                                  .tls = topology.tls,
-                                  .rank = topology.rank,
-                                  .generation = topology.generation,
-                                  .on_flight_dump = [raw] { raw->dump_flight(); },
-                                  .log = impl->logger});
+    impl->heartbeat = std::make_unique<control::Heartbeat>(control::HeartbeatOptions{
+        .address = topology.coordinator,
+        .token = topology.job_token,
+        .tls = topology.tls,
+        .rank = topology.rank,
+        .generation = topology.generation,
+        .on_flight_dump = [raw] { raw->dump_flight(); },
+        .activity =
+            [raw] {
+              return control::Activity{metrics::current_activity(), raw->collective_in_flight()};
+            },
+        .log = impl->logger});
   }
   return Runtime(std::move(impl));
 }

@@ -184,7 +184,9 @@ class Agent {
           .worker_timeout = options.worker_timeout,
           .metrics_address = options.metrics_address,
           .straggler_threshold = options.straggler_threshold,
-          .straggler_window = options.straggler_window});
+          .straggler_window = options.straggler_window,
+          .hang_factor = options.hang_factor,
+          .hang_min_seconds = options.hang_min_seconds});
       address_ = coordinator_->address();
       say("coordinator listening on ", address_);
       if (!coordinator_->metrics_address().empty()) {

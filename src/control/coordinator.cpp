@@ -139,7 +139,9 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
                     .worker_timeout = options.worker_timeout}),
         job_metrics({.history = options.metrics_history,
                      .straggler_threshold = options.straggler_threshold,
-                     .straggler_window = options.straggler_window}) {
+                     .straggler_window = options.straggler_window,
+                     .hang_factor = options.hang_factor,
+                     .hang_min_seconds = options.hang_min_seconds}) {
     if (!is_loopback(options.address)) {
       LOOM_CHECK(options.allow_non_loopback, InvalidArgument, "the coordinator would listen on ",
                  options.address,
@@ -386,17 +388,18 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
   grpc::Status Heartbeat(grpc::ServerContext* c, const v1::HeartbeatRequest* req,
                          v1::HeartbeatReply* reply) override {
     if (auto s = check_token(c, "Heartbeat"); !s.ok()) return s;
+    const double now = unix_now();
     std::optional<StepPoint> point;
-    if (req->rank() >= 0 && req->has_report() && req->report().steps() > 0) {
-      point = to_step_point(
-          req->generation(), req->report(),
-          std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-              .count());
-      try {
+    const RankActivity activity{
+        .step = req->step(), .phase = req->phase(), .collective = req->collective()};
+    try {
+      if (req->rank() >= 0) activity.check();
+      if (req->rank() >= 0 && req->has_report() && req->report().steps() > 0) {
+        point = to_step_point(req->generation(), req->report(), now);
         point->check();
-      } catch (const InvalidArgument& e) {
-        return invalid_argument(e);
       }
+    } catch (const InvalidArgument& e) {
+      return invalid_argument(e);
     }
     std::lock_guard<std::mutex> lock(mutex);
     HeartbeatResult r;
@@ -408,11 +411,11 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     } catch (const InvalidArgument& e) {
       return invalid_argument(e);
     }
-    if (point && r.state == HeartbeatResult::kRunning && r.generation == req->generation()) {
-      job_metrics.record(req->rank(), std::move(*point));
-      for (const JobMetrics::Event& event : job_metrics.take_events())
-        log().log(event.warning ? spdlog::level::warn : spdlog::level::info, "coordinator: {}",
-                  event.text);
+    if (req->rank() >= 0 && r.state == HeartbeatResult::kRunning &&
+        r.generation == req->generation()) {
+      job_metrics.observe(req->rank(), req->generation(), activity, now);
+      if (point) job_metrics.record(req->rank(), std::move(*point));
+      log_metrics_events();
     }
     reply->set_state(to_proto(r.state));
     reply->set_generation(r.generation);
@@ -420,6 +423,18 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     reply->set_exit_code(r.exit_code);
     reply->set_reason(r.reason);
     return grpc::Status::OK;
+  }
+
+  static double unix_now() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+
+  // Logs what the job metrics noticed: stragglers and hangs. mutex held.
+  void log_metrics_events() {
+    for (const JobMetrics::Event& event : job_metrics.take_events())
+      log().log(event.warning ? spdlog::level::warn : spdlog::level::info, "coordinator: {}",
+                event.text);
   }
 
   grpc::Status ReportFailure(grpc::ServerContext* c, const v1::FailureRequest* req,
@@ -487,6 +502,10 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
       changed.wait_for(lock, milliseconds(100));
       membership.tick();
       after_transition();
+      // A hung job: every rank dumps its flight recorder (the next heartbeat carries the
+      // request), so that `loom flight diff` can compare them.
+      if (job_metrics.check_hang(unix_now())) ++flight_dump_epoch;
+      log_metrics_events();
     }
   }
 };

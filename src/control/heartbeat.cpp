@@ -70,6 +70,11 @@ struct Heartbeat::Impl {
       beat.set_state(state);
       if (steps > 0) fill_report(beat.mutable_report());
       lock.unlock();
+      if (options.activity) {
+        Activity now = options.activity();
+        beat.set_phase(std::move(now.phase));
+        beat.set_collective(std::move(now.collective));
+      }
       try {
         const auto reply = client.call("Heartbeat", &CoordinatorClient::Stub::Heartbeat, beat);
         if (!reachable && options.log)

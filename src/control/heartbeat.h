@@ -16,6 +16,13 @@
 
 namespace loom::control {
 
+// What a worker is doing at the moment of a beat: its training loop's phase
+// (metrics::current_activity) and the oldest collective in flight ("" when none).
+struct Activity {
+  std::string phase;
+  std::string collective;
+};
+
 struct HeartbeatOptions {
   std::string address;  // the coordinator
   std::string token;
@@ -24,6 +31,7 @@ struct HeartbeatOptions {
   int64_t generation = 0;
   std::chrono::milliseconds interval{std::chrono::seconds(1)};
   std::function<void()> on_flight_dump;  // called on the heartbeat thread
+  std::function<Activity()> activity;    // read before every beat, on the heartbeat thread
   std::shared_ptr<spdlog::logger> log;
 };
 

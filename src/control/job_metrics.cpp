@@ -102,26 +102,82 @@ void StepPoint::check() const {
   }
 }
 
+void RankActivity::check() const {
+  LOOM_CHECK(phase.size() <= 64, InvalidArgument, "a heartbeat's phase is at most 64 bytes, got ",
+             phase.size());
+  LOOM_CHECK(collective.size() <= 512, InvalidArgument,
+             "a heartbeat's collective is at most 512 bytes, got ", collective.size());
+}
+
 JobMetrics::JobMetrics(JobMetricsOptions options) : options_(options) {
   LOOM_CHECK(options_.history >= 1, InvalidArgument, "JobMetricsOptions::history must be >= 1");
   LOOM_CHECK(options_.straggler_window >= 1 && options_.straggler_window <= options_.history,
              InvalidArgument, "the straggler window must be in [1, history = ", options_.history,
              "] reports, got ", options_.straggler_window);
+  LOOM_CHECK(options_.hang_factor >= 0 && options_.hang_min_seconds >= 0, InvalidArgument,
+             "the hang watchdog's factor and minimum must be >= 0 (factor 0: off), got ",
+             options_.hang_factor, " and ", options_.hang_min_seconds);
   LOOM_CHECK(options_.straggler_threshold > 1, InvalidArgument,
              "the straggler threshold is a ratio above 1 (1.3: 30% slower than the others' "
              "median), got ",
              options_.straggler_threshold);
 }
 
+void JobMetrics::start_generation(int64_t generation) {
+  generation_ = generation;
+  if (!stragglers_.empty())
+    events_.push_back({false, fmt::format("generation {}: straggler flags cleared", generation_)});
+  stragglers_.clear();
+  activity_.clear();
+  progress_step_ = -1;
+  hang_.clear();
+}
+
+void JobMetrics::observe(int rank, int64_t generation, RankActivity activity, double now) {
+  if (generation < generation_) return;
+  if (generation > generation_) start_generation(generation);
+  if (progress_step_ < 0 || activity.step > progress_step_) {
+    progress_step_ = activity.step;
+    progress_time_ = now;
+    if (!hang_.empty()) {
+      events_.push_back(
+          {false, fmt::format("the job progresses again: step {} finished", progress_step_)});
+      hang_.clear();
+    }
+  }
+  activity_[rank] = std::move(activity);
+}
+
+bool JobMetrics::check_hang(double now) {
+  if (options_.hang_factor <= 0 || progress_step_ < 0 || !hang_.empty()) return false;
+  std::vector<double> steps;
+  for (const auto& [rank, p] : latest()) steps.push_back(p->step_seconds);
+  if (steps.empty()) return false;  // no step time to scale yet
+  const double median_step = median(steps);
+  const double threshold = std::max(options_.hang_min_seconds, options_.hang_factor * median_step);
+  const double stalled = now - progress_time_;
+  if (stalled < threshold) return false;
+  std::string ranks, outside;
+  for (const auto& [rank, a] : activity_) {
+    const std::string phase = a.phase.empty() ? "phase unknown" : a.phase;
+    ranks += fmt::format("; rank {}: step {}, {}, {}", rank, a.step, phase,
+                         a.collective.empty() ? "in no collective" : "waiting in " + a.collective);
+    if (a.collective.empty())
+      outside += fmt::format("{}rank {} ({})", outside.empty() ? "" : ", ", rank, phase);
+  }
+  hang_ = fmt::format(
+      "no rank has finished a step for {:.1f} s (threshold {:.1f} s: {}x the median step time "
+      "{:.3f} s, at least {} s){}. Outside collectives: {}",
+      stalled, threshold, options_.hang_factor, median_step, options_.hang_min_seconds, ranks,
+      outside.empty() ? "none (every rank waits in a collective: compare the flight dumps)"
+                      : outside);
+  events_.push_back({true, "hang: " + hang_});
+  return true;
+}
+
 void JobMetrics::record(int rank, StepPoint point) {
   if (point.generation < generation_) return;  // a late report of an ended generation
-  if (point.generation > generation_) {
-    generation_ = point.generation;
-    if (!stragglers_.empty())
-      events_.push_back(
-          {false, fmt::format("generation {}: straggler flags cleared", generation_)});
-    stragglers_.clear();
-  }
+  if (point.generation > generation_) start_generation(point.generation);
   generation_start_.emplace(point.generation, point.unix_time);
   std::deque<StepPoint>& series = series_[rank];
   series.push_back(std::move(point));
@@ -264,6 +320,9 @@ std::string JobMetrics::prometheus(const MembershipStatus& status) const {
   }
   Family(out, "loom_job_stragglers", "gauge", "Ranks flagged as stragglers now.")
       .add(static_cast<double>(stragglers_.size()));
+  Family(out, "loom_job_hung", "gauge",
+         "1 while no rank has finished a step for longer than the hang threshold, else 0.")
+      .add(hang_.empty() ? 0 : 1);
 
   if (!status.workers.empty()) {
     Family age(out, "loom_rank_heartbeat_age_seconds", "gauge",
@@ -316,11 +375,9 @@ std::string JobMetrics::prometheus(const MembershipStatus& status) const {
 }
 
 std::string JobMetrics::json(const MembershipStatus& status) const {
-  nlohmann::json job = {{"generation", status.generation},
-                        {"state", phase_name(status.phase)},
-                        {"world_size", status.world_size},
-                        {"restarts", status.restarts},
-                        {"last_failure", status.last_failure}};
+  nlohmann::json job = {{"generation", status.generation},     {"state", phase_name(status.phase)},
+                        {"world_size", status.world_size},     {"restarts", status.restarts},
+                        {"last_failure", status.last_failure}, {"hang", hang_}};
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& [rank, series] : series_) {
     nlohmann::json points = nlohmann::json::array();
@@ -328,6 +385,11 @@ std::string JobMetrics::json(const MembershipStatus& status) const {
     nlohmann::json r = {{"rank", rank}, {"series", std::move(points)}};
     for (const auto& w : status.workers) {
       if (w.rank == rank) r["heartbeat_age_seconds"] = w.seconds_since_heartbeat;
+    }
+    if (const auto a = activity_.find(rank); a != activity_.end()) {
+      r["activity"] = {{"step", a->second.step},
+                       {"phase", a->second.phase},
+                       {"collective", a->second.collective}};
     }
     ranks.push_back(std::move(r));
   }

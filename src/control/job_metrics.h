@@ -48,6 +48,21 @@ struct JobMetricsOptions {
   // time exceeds `straggler_threshold` times the median of the other ranks' medians.
   double straggler_threshold = 1.3;
   size_t straggler_window = 10;
+  // The hang watchdog: the job is hung when no rank has finished a step for hang_factor times
+  // the median step time, and at least hang_min_seconds. hang_factor 0 turns it off.
+  double hang_factor = 10;
+  double hang_min_seconds = 60;
+};
+
+// What a worker's heartbeat says it is doing now.
+struct RankActivity {
+  int64_t step = 0;        // its newest finished step (0-based), as it reported progress
+  std::string phase;       // metrics::current_activity(): "data_wait", "between_steps", ...
+  std::string collective;  // the oldest collective in flight, described; "" when none
+
+  // From the network: a phase of at most 64 bytes, a collective of at most 512.
+  // InvalidArgument naming the field otherwise.
+  void check() const;
 };
 
 struct Straggler {
@@ -66,8 +81,18 @@ class JobMetrics {
   // Adds rank's report. The newest generation seen is the current one: detection and the
   // per-rank gauges look at its reports only.
   void record(int rank, StepPoint point);
-  // What to log since the last call: a rank flagged as a straggler (a warning), a rank no
-  // longer one or the flags cleared by a new generation (information).
+  // A worker heartbeat of `generation` at unix time `now`: what the rank does, and whether the
+  // job progresses (a step newer than any seen in the generation).
+  void observe(int rank, int64_t generation, RankActivity activity, double now);
+  // The watchdog at unix time `now`. A hang starting or ending is an event; returns true when
+  // one started at this call (the coordinator then has every rank dump its flight recorder).
+  bool check_hang(double now);
+  // The description of the hang in progress ("" when none): each rank's step, phase and
+  // collective, and the ranks outside collectives.
+  const std::string& hang() const { return hang_; }
+  // What to log since the last call: a rank flagged as a straggler or a hang (warnings), a
+  // rank no longer one, the flags cleared by a new generation, or progress after a hang
+  // (information).
   struct Event {
     bool warning = false;
     std::string text;
@@ -87,6 +112,7 @@ class JobMetrics {
 
  private:
   void detect();
+  void start_generation(int64_t generation);
   // The newest point of each rank in the current generation.
   std::map<int, const StepPoint*> latest() const;
 
@@ -94,6 +120,10 @@ class JobMetrics {
   int64_t generation_ = -1;
   std::map<int, std::deque<StepPoint>> series_;
   std::map<int64_t, double> generation_start_;  // generation -> its first report's time
+  std::map<int, RankActivity> activity_;        // the current generation's ranks
+  int64_t progress_step_ = -1;                  // the newest step any rank finished
+  double progress_time_ = 0;                    // when it was first seen
+  std::string hang_;
   std::vector<Straggler> stragglers_;
   std::vector<Event> events_;
 };

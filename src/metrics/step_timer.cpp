@@ -1,9 +1,35 @@
 // Per-step phase timing with exclusive (innermost-phase) accounting (see step_timer.h).
 #include "loom/metrics/step_timer.h"
 
+#include <atomic>
+
 #include "loom/error.h"
+#include "metrics/activity.h"
 
 namespace loom::metrics {
+namespace {
+
+// What current_activity() returns: kNoTimer, kBetweenSteps, or a Phase's index.
+constexpr int kNoTimer = -2;
+constexpr int kBetweenSteps = -1;
+std::atomic<int> g_activity{kNoTimer};
+
+// A timer's state as current_activity() reports it.
+void publish(bool in_step, const std::vector<Phase>& open) {
+  g_activity.store(!in_step       ? kBetweenSteps
+                   : open.empty() ? static_cast<int>(Phase::kOther)
+                                  : static_cast<int>(open.back()),
+                   std::memory_order_relaxed);
+}
+
+}  // namespace
+
+const char* current_activity() {
+  const int a = g_activity.load(std::memory_order_relaxed);
+  if (a == kNoTimer) return "";
+  if (a == kBetweenSteps) return "between_steps";
+  return to_string(static_cast<Phase>(a));
+}
 
 const char* to_string(Phase phase) {
   switch (phase) {
@@ -44,6 +70,7 @@ void StepTimer::begin_step() {
   current_ = StepTimes{};
   step_start_ = clock_();
   mark_ = step_start_;
+  publish(in_step_, open_);
 }
 
 StepTimer::Scope StepTimer::phase(Phase phase) {
@@ -62,12 +89,14 @@ void StepTimer::push(Phase phase) {
              ") outside a step: call begin_step first");
   charge(clock_());
   open_.push_back(phase);
+  publish(in_step_, open_);
 }
 
 void StepTimer::pop() {
   // A Scope only exists after a successful push, so open_ is not empty here.
   charge(clock_());
   open_.pop_back();
+  publish(in_step_, open_);
 }
 
 StepTimes StepTimer::end_step() {
@@ -78,6 +107,7 @@ StepTimes StepTimer::end_step() {
   charge(now);
   current_.total = std::chrono::duration<double>(now - step_start_).count();
   in_step_ = false;
+  publish(in_step_, open_);
   return current_;
 }
 

@@ -4,8 +4,8 @@
 // membership state machine the way src/control/coordinator.cpp does, on a manual clock that
 // each request moves on. Only InvalidArgument may refuse a request (the handlers answer it
 // as INVALID_ARGUMENT); the state must stay consistent whatever the order. A worker's step
-// report goes through the same check and into the job metrics, whose Prometheus and JSON
-// renderings are produced after every request.
+// report and activity go through the same checks and into the job metrics, whose hang
+// watchdog runs and whose Prometheus and JSON renderings are produced after every request.
 //
 // Input: records of [kind byte][length byte][length bytes of the message].
 #include <chrono>
@@ -49,7 +49,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 .worker_timeout = std::chrono::seconds(5),
                 .waiting_expiry = std::chrono::seconds(3)},
                [&now] { return now; });
-  loom::control::JobMetrics metrics({.history = 8, .straggler_window = 2});
+  loom::control::JobMetrics metrics(
+      {.history = 8, .straggler_window = 2, .hang_factor = 10, .hang_min_seconds = 1});
   size_t at = 0;
   while (at + 2 <= size) {
     const uint8_t kind = data[at];
@@ -70,15 +71,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           v1::HeartbeatRequest r;
           if (!r.ParseFromArray(message, static_cast<int>(length))) break;
           if (r.rank() >= 0) {
+            const double unix_now = std::chrono::duration<double>(now.time_since_epoch()).count();
+            const loom::control::RankActivity activity{
+                .step = r.step(), .phase = r.phase(), .collective = r.collective()};
+            activity.check();
             std::optional<loom::control::StepPoint> point;
             if (r.has_report() && r.report().steps() > 0) {
-              point = loom::control::to_step_point(r.generation(), r.report(), 0);
+              point = loom::control::to_step_point(r.generation(), r.report(), unix_now);
               point->check();
             }
             const auto result =
                 m.worker_heartbeat(r.rank(), r.generation(), r.step(), r.throughput(), r.state());
-            if (point && result.state == loom::control::HeartbeatResult::kRunning)
-              metrics.record(r.rank(), std::move(*point));
+            if (result.state == loom::control::HeartbeatResult::kRunning) {
+              metrics.observe(r.rank(), r.generation(), activity, unix_now);
+              if (point) metrics.record(r.rank(), std::move(*point));
+            }
           } else {
             (void)m.node_heartbeat(r.node_id(), r.generation());
           }
@@ -108,6 +115,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     m.tick();
     (void)m.take_events();
+    (void)metrics.check_hang(std::chrono::duration<double>(now.time_since_epoch()).count());
     (void)metrics.take_events();
     check_consistent(m);
     // Both renderings of whatever was accepted: the JSON must parse, every exposition line

@@ -1,12 +1,15 @@
 // Job-wide metrics end to end: a 2-rank Trainer job under `loom run` with its metrics endpoint
 // on, scraped by Debian's Prometheus server on loopback and queried over Prometheus's HTTP API;
 // `promtool check metrics` on the endpoint's output; a rank made slow on purpose flagged as a
-// straggler in the log, /metrics and `loom top`. The worker is tests/programs/train_probe.cpp.
+// straggler in the log, /metrics and `loom top`; a rank hung in its data source named by the
+// hang watchdog with its phase, the other with its collective. The worker is
+// tests/programs/train_probe.cpp.
 #include <gtest/gtest.h>
 #include <httplib.h>
 
 #include <chrono>
 #include <csignal>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -45,12 +48,8 @@ bool eventually(std::chrono::seconds timeout, const std::function<bool()>& check
   }
 }
 
-TEST(Observability, PrometheusScrapesARunningJobAndItsStragglerIsFlagged) {
-  if (!LOOM_WITH_GRPC) GTEST_SKIP() << "needs `loom run` (LOOM_WITH_GRPC=ON)";
-  if (std::system("command -v prometheus >/dev/null && command -v promtool >/dev/null") != 0) {
-    GTEST_SKIP() << "needs Debian's prometheus (tools/install-deps.sh)";
-  }
-  TempDir dir;
+// A small token dataset at dir/data.
+void write_tokens(const TempDir& dir) {
   data::TokenDatasetWriter writer(dir / "data", {.vocab_size = 64});
   std::mt19937 rng(7);
   for (int d = 0; d < 100; ++d) {
@@ -59,6 +58,15 @@ TEST(Observability, PrometheusScrapesARunningJobAndItsStragglerIsFlagged) {
     writer.add_document(doc);
   }
   writer.finish();
+}
+
+TEST(Observability, PrometheusScrapesARunningJobAndItsStragglerIsFlagged) {
+  if (!LOOM_WITH_GRPC) GTEST_SKIP() << "needs `loom run` (LOOM_WITH_GRPC=ON)";
+  if (std::system("command -v prometheus >/dev/null && command -v promtool >/dev/null") != 0) {
+    GTEST_SKIP() << "needs Debian's prometheus (tools/install-deps.sh)";
+  }
+  TempDir dir;
+  write_tokens(dir);
 
   const std::string metrics = "127.0.0.1:" + std::to_string(testing::free_port());
   testing::Prometheus prometheus({metrics});
@@ -121,6 +129,69 @@ TEST(Observability, PrometheusScrapesARunningJobAndItsStragglerIsFlagged) {
   job.signal(SIGTERM);
   const auto status = job.wait_for(std::chrono::seconds(60));
   ASSERT_TRUE(status.has_value()) << "loom run did not stop on SIGTERM";
+}
+
+TEST(Observability, TheHangWatchdogNamesTheRankStuckInItsDataAndTheCollectiveTheOtherWaitsIn) {
+  if (!LOOM_WITH_GRPC) GTEST_SKIP() << "needs `loom run` (LOOM_WITH_GRPC=ON)";
+  TempDir dir;
+  write_tokens(dir);
+  // Rank 1's data source blocks for good when asked for step 30's batch: a hang outside any
+  // collective, which no flight recorder or collective deadline sees (the collective timeout
+  // is minutes). The watchdog: 10 median steps, and at least 3 s.
+  const fs::path output = dir / "job.out";
+  util::Subprocess job =
+      util::Subprocess::spawn({.argv = {kLoom,
+                                        "run",
+                                        "--nproc-per-node",
+                                        "2",
+                                        "--run-dir",
+                                        (dir / "run").string(),
+                                        "--hang-factor",
+                                        "10",
+                                        "--hang-min-seconds",
+                                        "3",
+                                        "--grace-period",
+                                        "1",
+                                        "--",
+                                        kProbe,
+                                        "--probe.data=" + (dir / "data").string(),
+                                        "--run.threads=1",
+                                        "--train.steps=1000",
+                                        "--train.checkpoint_every=0",
+                                        "--train.log_every=100000",
+                                        "--probe.step_ms=20",
+                                        "--probe.hang_in_data_at_step=30"},
+                               .output = output});
+  const auto job_output = [&] { return fs::exists(output) ? util::read_file(output) : ""; };
+  const auto start = Clock::now();
+  ASSERT_TRUE(eventually(std::chrono::seconds(90), [&] {
+    return testing::contains(job_output(), "coordinator: hang: ");
+  })) << job_output();
+  const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+  const std::string out = job_output();
+  const std::string rest = out.substr(out.find("coordinator: hang: "));
+  const std::string line = rest.substr(0, rest.find('\n'));
+  // Step 29 is the last one either rank finished.
+  EXPECT_TRUE(testing::contains(line, "; rank 1: step 29, data_wait, in no collective")) << line;
+  EXPECT_TRUE(testing::contains(line, "; rank 0: step 29, comm_wait, waiting in all_reduce #"))
+      << line;
+  EXPECT_TRUE(testing::contains(line, " on world (float32 x ")) << line;
+  EXPECT_TRUE(testing::contains(line, "Outside collectives: rank 1 (data_wait)")) << line;
+  std::cout << "hang reported " << waited << " s after the launch: " << line << "\n";
+  // Every rank dumped its flight recorder on the coordinator's request; the dumps disagree
+  // (rank 0 issued the all-reduce rank 1 never reached).
+  ASSERT_TRUE(eventually(std::chrono::seconds(30), [&] {
+    return fs::exists(dir / "run" / "flight" / "rank_0.json") &&
+           fs::exists(dir / "run" / "flight" / "rank_1.json");
+  })) << job_output();
+  const auto diff = testing::run_program(
+      {kLoom, "flight", "diff", (dir / "run" / "flight").string()}, dir.path());
+  EXPECT_EQ(diff.exit_code, 1) << diff.output;
+  EXPECT_TRUE(testing::contains(diff.output, "DIVERGED")) << diff.output;
+
+  job.signal(SIGTERM);
+  ASSERT_TRUE(job.wait_for(std::chrono::seconds(60)).has_value())
+      << "loom run did not stop on SIGTERM";
 }
 
 }  // namespace

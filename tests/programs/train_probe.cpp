@@ -4,7 +4,8 @@
 // compare runs bit for bit, and the final parameters go to <run_dir>/params_rank<r>.bin as raw
 // bytes; probe.kill_at_step makes rank 1 SIGKILL itself in generation 1;
 // probe.hidden_bias=false changes the model, probe.optimizer_lr the optimizer's own rate;
-// probe.straggler_ms makes rank 1 slower than the others.
+// probe.straggler_ms makes rank 1 slower than the others, probe.hang_in_data_at_step makes it
+// hang in its data source.
 #include <loom/loom.h>
 #include <torch/torch.h>
 
@@ -14,6 +15,27 @@
 #include <thread>
 
 namespace {
+
+// The reader, except that rank 1 blocks for good when asked for batch `hang_at`.
+class HangingSource : public loom::data::BatchSource {
+ public:
+  HangingSource(loom::data::BatchSource& inner, bool hangs, int64_t hang_at)
+      : inner_(inner), hang_at_(hangs ? hang_at : -1) {}
+  loom::data::Batch next() override {
+    if (calls_++ == hang_at_) {
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+    return inner_.next();
+  }
+  int64_t batch_size() const override { return inner_.batch_size(); }
+  std::string state_json() const override { return inner_.state_json(); }
+  void restore_json(const std::string& json) override { inner_.restore_json(json); }
+
+ private:
+  loom::data::BatchSource& inner_;
+  int64_t hang_at_;
+  int64_t calls_ = 0;
+};
 
 struct TinyLmImpl : torch::nn::Module {
   TinyLmImpl(int64_t vocab, int64_t dim, bool hidden_bias)
@@ -53,6 +75,9 @@ int main(int argc, char** argv) {
            "each step's loss waits this long first (a stand-in for a larger model's compute)");
   keys.add("probe.straggler_ms", int64_t{0},
            "rank 1's loss waits this much longer each step (a straggler)");
+  keys.add("probe.hang_in_data_at_step", int64_t{-1},
+           "rank 1's data source blocks for good when asked for this step's batch (a hang "
+           "outside collectives)");
   return loom::run_main(argc, argv, keys, [](loom::Runtime& rt) {
     const loom::Config& cfg = rt.config();
     auto reader = rt.open_dataset(cfg.get<std::string>("probe.data"),
@@ -73,8 +98,9 @@ int main(int argc, char** argv) {
                                   (rt.rank() == 1 ? cfg.get<int64_t>("probe.straggler_ms") : 0));
     std::FILE* losses = std::fopen(
         (rt.run_dir() / ("losses_rank" + std::to_string(rt.rank()) + ".txt")).c_str(), "a");
+    HangingSource source(*reader, rt.rank() == 1, cfg.get<int64_t>("probe.hang_in_data_at_step"));
     loom::train::Trainer trainer(
-        rt, dp, *reader, loom::train::TrainOptions::from(cfg),
+        rt, dp, source, loom::train::TrainOptions::from(cfg),
         [&](const loom::data::Batch& b) {
           std::this_thread::sleep_for(step_time);
           if (kill_at >= 0 && rt.rank() == 1 && rt.topology().generation == 1) {

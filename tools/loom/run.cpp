@@ -41,6 +41,8 @@ struct RunArgs {
   std::string metrics_address;
   double straggler_threshold = kAgentDefaults.straggler_threshold;
   size_t straggler_window = kAgentDefaults.straggler_window;
+  double hang_factor = kAgentDefaults.hang_factor;
+  double hang_min_seconds = kAgentDefaults.hang_min_seconds;
   std::vector<std::string> program;
 };
 
@@ -154,6 +156,8 @@ int run(RunArgs args) {
   o.metrics_address = args.metrics_address;
   o.straggler_threshold = args.straggler_threshold;
   o.straggler_window = args.straggler_window;
+  o.hang_factor = args.hang_factor;
+  o.hang_min_seconds = args.hang_min_seconds;
   return control::run_agent(o);
 }
 
@@ -239,6 +243,16 @@ void register_run(CLI::App& app, Action& action) {
   run_cmd
       ->add_option("--straggler-window", args->straggler_window,
                    "heartbeats (about one a second) each rank's median is taken over")
+      ->capture_default_str();
+  run_cmd
+      ->add_option("--hang-factor", args->hang_factor,
+                   "the job is hung when no rank finishes a step for this many median step "
+                   "times (and --hang-min-seconds): each rank's phase and collective are logged "
+                   "and flight recorders dumped; 0: off")
+      ->capture_default_str();
+  run_cmd
+      ->add_option("--hang-min-seconds", args->hang_min_seconds,
+                   "the hang watchdog waits at least this long without a finished step")
       ->capture_default_str();
   run_cmd->add_option("program", args->program, "the program and its arguments (after --)")
       ->required();

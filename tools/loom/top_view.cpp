@@ -71,6 +71,8 @@ std::string render_top(const std::string& api_metrics_json) {
                         percent(main_point->at("goodput")), main_point->at("loss").get<double>());
       }
     }
+    if (job.contains("hang") && !job.at("hang").get<std::string>().empty())
+      out += "\nHUNG: " + job.at("hang").get<std::string>();
     if (!job.at("last_failure").get<std::string>().empty())
       out += "\nlast failure: " + job.at("last_failure").get<std::string>();
     out += "\n";

@@ -43,10 +43,13 @@ struct AgentOptions {
   std::chrono::milliseconds node_timeout = kDefaultNodeTimeout;
   std::chrono::milliseconds worker_timeout = kDefaultWorkerTimeout;
   std::chrono::milliseconds last_call = kDefaultLastCall;
-  // The hosted coordinator's metrics endpoint and straggler detection (CoordinatorOptions).
+  // The hosted coordinator's metrics endpoint, straggler detection and hang watchdog
+  // (CoordinatorOptions).
   std::string metrics_address;
   double straggler_threshold = CoordinatorOptions{}.straggler_threshold;
   size_t straggler_window = CoordinatorOptions{}.straggler_window;
+  double hang_factor = CoordinatorOptions{}.hang_factor;
+  double hang_min_seconds = CoordinatorOptions{}.hang_min_seconds;
 };
 
 // Runs the job on this node until it finishes, fails or is stopped by SIGINT/SIGTERM (which it

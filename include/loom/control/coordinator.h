@@ -57,6 +57,12 @@ struct CoordinatorOptions {
   // straggler_threshold times the other ranks' median.
   double straggler_threshold = 1.3;
   size_t straggler_window = 10;
+  // The hang watchdog: when no rank has finished a step for hang_factor times the median step
+  // time, and at least hang_min_seconds, the job is hung: the coordinator logs each rank's
+  // step, phase and collective in flight, and has every rank dump its flight recorder.
+  // hang_factor 0 turns it off. It needs workers that report steps (metrics::MetricsLogger).
+  double hang_factor = 10;
+  double hang_min_seconds = 60;
   // Where it logs generations, failures and refused calls; null = spdlog's default logger.
   std::shared_ptr<spdlog::logger> log;
 };

@@ -39,7 +39,8 @@ TEST(TopView, RendersTheJobTheRanksOfTheCurrentGenerationAndTheStragglers) {
         {"state", "running"},
         {"world_size", 2},
         {"restarts", 1},
-        {"last_failure", "rank 1 exited with code 9"}}},
+        {"last_failure", "rank 1 exited with code 9"},
+        {"hang", "no rank has finished a step for 75.0 s (...)"}}},
       {"ranks",
        {{{"rank", 0},
          {"series", {point(1, 3, 0.25, 0.0, 0.5), point(2, 41, 0.25, 0.5, 0.25)}},
@@ -57,6 +58,7 @@ TEST(TopView, RendersTheJobTheRanksOfTheCurrentGenerationAndTheStragglers) {
   EXPECT_EQ(render_top(answer.dump()),
             "generation 2 running, world 2, restarts 1 | 3072 tokens/s | step 0.750 s | "
             "MFU 25.0% | goodput 87.5% | loss 2.5000\n"
+            "HUNG: no rank has finished a step for 75.0 s (...)\n"
             "last failure: rank 1 exited with code 9\n"
             "rank     step  step_s  busy_s    data fwd_bwd    comm   optim    ckpt   tokens/s    "
             "mfu  rss_MiB\n"

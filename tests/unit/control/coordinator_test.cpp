@@ -163,6 +163,7 @@ TEST(Coordinator, ServesTheJobsMetricsAndStragglersOverHttp) {
                        "loom_job_goodput_ratio 0",
                        "loom_job_loss 0",
                        "loom_job_stragglers 1",
+                       "loom_job_hung 0",
                        "loom_rank_step{rank=\"0\"} 1",
                        "loom_rank_step{rank=\"1\"} 1",
                        "loom_rank_step_seconds{rank=\"0\"} 0.5",

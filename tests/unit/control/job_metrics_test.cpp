@@ -179,6 +179,9 @@ loom_job_loss 2.5
 # HELP loom_job_stragglers Ranks flagged as stragglers now.
 # TYPE loom_job_stragglers gauge
 loom_job_stragglers 0
+# HELP loom_job_hung 1 while no rank has finished a step for longer than the hang threshold, else 0.
+# TYPE loom_job_hung gauge
+loom_job_hung 0
 # HELP loom_rank_heartbeat_age_seconds Seconds since the rank's last heartbeat.
 # TYPE loom_rank_heartbeat_age_seconds gauge
 loom_rank_heartbeat_age_seconds{rank="0"} 0.5
@@ -239,7 +242,9 @@ TEST(JobMetrics, BeforeAnyStepOnlyTheJobIsExposed) {
             "# HELP loom_job_running 1 while a generation runs, else 0.\n"
             "# TYPE loom_job_running gauge\nloom_job_running 0\n"
             "# HELP loom_job_stragglers Ranks flagged as stragglers now.\n"
-            "# TYPE loom_job_stragglers gauge\nloom_job_stragglers 0\n");
+            "# TYPE loom_job_stragglers gauge\nloom_job_stragglers 0\n"
+            "# HELP loom_job_hung 1 while no rank has finished a step for longer than the hang "
+            "threshold, else 0.\n# TYPE loom_job_hung gauge\nloom_job_hung 0\n");
 }
 
 TEST(JobMetrics, JsonHoldsEverySeriesPointAndTheStragglers) {
@@ -254,7 +259,8 @@ TEST(JobMetrics, JsonHoldsEverySeriesPointAndTheStragglers) {
                                       {"state", "running"},
                                       {"world_size", 2},
                                       {"restarts", 0},
-                                      {"last_failure", ""}}));
+                                      {"last_failure", ""},
+                                      {"hang", ""}}));
   ASSERT_EQ(j["ranks"].size(), 2u);
   EXPECT_EQ(j["ranks"][0]["rank"], 0);
   ASSERT_EQ(j["ranks"][0]["series"].size(), 2u);
@@ -278,6 +284,66 @@ TEST(JobMetrics, JsonHoldsEverySeriesPointAndTheStragglers) {
   EXPECT_EQ(j["stragglers"], nlohmann::json::array());
   EXPECT_EQ(j["generations"], (nlohmann::json{{{"generation", 1}, {"start_unix_time", 1000.0}},
                                               {{"generation", 2}, {"start_unix_time", 1001.0}}}));
+}
+
+TEST(JobMetrics, TheWatchdogNamesEachRanksPhaseAndCollectiveOnceWhenNoStepFinishes) {
+  JobMetrics m({.hang_factor = 10, .hang_min_seconds = 2});
+  m.observe(0, 1, {.step = 4, .phase = "forward_backward"}, 100.0);
+  EXPECT_FALSE(m.check_hang(500.0)) << "no step time to scale by yet";
+  m.record(0, point(1, 4, 0.1, 0));
+  m.record(1, point(1, 4, 0.1, 0));
+  // Step 5 finishes at 101; then rank 1 blocks in its data source and rank 0 waits for it in
+  // the gradient all-reduce. The threshold: max(2 s, 10 x the median step 0.11 s) = 2 s.
+  m.observe(0, 1,
+            {.step = 5,
+             .phase = "comm_wait",
+             .collective = "all_reduce #12 on world (float32 x 64), started 1.0 s ago"},
+            101.0);
+  m.observe(1, 1, {.step = 5, .phase = "data_wait"}, 101.0);
+  EXPECT_FALSE(m.check_hang(102.9));
+  EXPECT_TRUE(m.take_events().empty());
+  ASSERT_TRUE(m.check_hang(103.0));
+  const std::string expected =
+      "no rank has finished a step for 2.0 s (threshold 2.0 s: 10x the median step time 0.110 s, "
+      "at least 2 s); rank 0: step 5, comm_wait, waiting in all_reduce #12 on world (float32 x "
+      "64), started 1.0 s ago; rank 1: step 5, data_wait, in no collective. Outside "
+      "collectives: rank 1 (data_wait)";
+  EXPECT_EQ(m.hang(), expected);
+  EXPECT_EQ(m.take_events(), (std::vector<JobMetrics::Event>{{true, "hang: " + expected}}));
+  EXPECT_FALSE(m.check_hang(200.0)) << "one hang is reported once";
+  EXPECT_NE(m.prometheus(running(1, 2)).find("\nloom_job_hung 1\n"), std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(m.json(running(1, 2)))["ranks"][1]["activity"],
+            (nlohmann::json{{"step", 5}, {"phase", "data_wait"}, {"collective", ""}}));
+  // Heartbeats without a newer step change nothing; a finished step ends the hang and re-arms.
+  m.observe(1, 1, {.step = 5, .phase = "data_wait"}, 300.0);
+  EXPECT_FALSE(m.hang().empty());
+  m.observe(1, 1, {.step = 6, .phase = "forward_backward"}, 301.0);
+  EXPECT_EQ(m.hang(), "");
+  EXPECT_EQ(m.take_events(),
+            (std::vector<JobMetrics::Event>{{false, "the job progresses again: step 6 finished"}}));
+  EXPECT_FALSE(m.check_hang(302.9));
+  EXPECT_TRUE(m.check_hang(303.0));
+}
+
+TEST(JobMetrics, EveryRankInACollectiveIsSaidAndTheWatchdogCanBeOff) {
+  JobMetrics m({.hang_min_seconds = 0});
+  m.record(0, point(1, 0, 0.25, 0));  // step 0.26 s: threshold 2.6 s
+  m.observe(0, 1, {.step = 0, .phase = "comm_wait", .collective = "barrier #3 on control"}, 10.0);
+  EXPECT_FALSE(m.check_hang(12.5));
+  ASSERT_TRUE(m.check_hang(12.7));
+  EXPECT_EQ(m.hang(),
+            "no rank has finished a step for 2.7 s (threshold 2.6 s: 10x the median step time "
+            "0.260 s, at least 0 s); rank 0: step 0, comm_wait, waiting in barrier #3 on control. "
+            "Outside collectives: none (every rank waits in a collective: compare the flight "
+            "dumps)");
+  JobMetrics off({.hang_factor = 0});
+  off.record(0, point(1, 0, 0.25, 0));
+  off.observe(0, 1, {.step = 0}, 10.0);
+  EXPECT_FALSE(off.check_hang(1e9));
+  EXPECT_NE(error_of<InvalidArgument>([] {
+              RankActivity{.phase = std::string(65, 'a')}.check();
+            }).find("phase is at most 64 bytes, got 65"),
+            std::string::npos);
 }
 
 TEST(JobMetrics, ReportsFromTheNetworkAreCheckedFieldByField) {

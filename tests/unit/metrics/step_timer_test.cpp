@@ -1,9 +1,13 @@
-// StepTimer: phases are exclusive, sum to the step's wall time, and misuse is reported.
+// StepTimer: phases are exclusive, sum to the step's wall time, and misuse is reported; the
+// process-wide current activity (metrics/activity.h) follows the innermost open phase.
 #include "loom/metrics/step_timer.h"
 
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "loom/error.h"
+#include "metrics/activity.h"
 
 namespace loom::metrics {
 namespace {
@@ -126,6 +130,30 @@ TEST(StepTimer, RealClockPhasesSumToTotal) {
   for (double s : t.seconds) sum += s;
   EXPECT_GT(t.total, 0);
   EXPECT_NEAR(sum, t.total, 1e-9);
+}
+
+TEST(StepTimer, CurrentActivityIsTheInnermostOpenPhaseOrBetweenSteps) {
+  // Process-wide: earlier tests of this binary may have run a timer, so nothing is assumed
+  // before this one's first step.
+  StepTimer timer;
+  timer.begin_step();
+  EXPECT_STREQ(current_activity(), "other");
+  {
+    auto outer = timer.phase(Phase::kForwardBackward);
+    EXPECT_STREQ(current_activity(), "forward_backward");
+    {
+      auto inner = timer.phase(Phase::kCommWait);
+      EXPECT_STREQ(current_activity(), "comm_wait");
+    }
+    EXPECT_STREQ(current_activity(), "forward_backward");
+  }
+  EXPECT_STREQ(current_activity(), "other");
+  timer.end_step();
+  EXPECT_STREQ(current_activity(), "between_steps");
+  // Another thread (the heartbeat's) reads the same.
+  const char* seen = nullptr;
+  std::thread([&] { seen = current_activity(); }).join();
+  EXPECT_STREQ(seen, "between_steps");
 }
 
 TEST(StepTimer, PhaseNames) {
