@@ -40,7 +40,9 @@ int run_top(const TopArgs& args) {
       view = render_top(client.get(url));
     } catch (const Error& e) {
       if (args.once) {
-        std::cerr << "error: " << e.what() << "\n";
+        std::cerr << "error: " << e.what()
+                  << "\n(is the job running, started with `loom run --metrics-address "
+                  << args.address << "`?)\n";
         return kExitFailed;
       }
       view = std::string("cannot read ") + url + ": " + e.what() + " (retrying)\n";
