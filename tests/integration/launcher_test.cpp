@@ -646,6 +646,24 @@ TEST_F(Launcher, BadArgumentsAreClearErrors) {
   r = run({"--standalone", "--nnodes", "2", "--", kProbe});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("--standalone"), std::string::npos) << r.output;
+  // The job metrics' options (docs/observability.md), each named.
+  for (const auto& [flag, value] :
+       std::vector<std::pair<std::string, std::string>>{{"--straggler-threshold", "1"},
+                                                        {"--straggler-threshold", "0.5"},
+                                                        {"--straggler-window", "0"},
+                                                        {"--straggler-window", "3601"},
+                                                        {"--hang-factor", "-1"},
+                                                        {"--hang-min-seconds", "-5"}}) {
+    r = run({flag, value, "--", kProbe});
+    EXPECT_EQ(r.exit_code, 2) << flag << " " << value << ": " << r.output;
+    EXPECT_NE(r.output.find(flag), std::string::npos) << flag << " " << value << ": " << r.output;
+  }
+  r = run({"--metrics-address", "9400", "--", kProbe});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("the metrics address must be host:port"), std::string::npos) << r.output;
+  r = run({"--metrics-address", "0.0.0.0:0", "--", kProbe});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("needs --coordinator-public"), std::string::npos) << r.output;
 }
 
 }  // namespace

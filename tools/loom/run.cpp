@@ -1,6 +1,7 @@
 // `loom run`: the launcher. One agent per node; node 0 hosts the coordinator. Restarts the
 // workers on failure, continues at a smaller world size when a node is lost (elastic), and
 // reads its layout from Slurm's environment when there. docs/launcher.md.
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -79,6 +80,24 @@ std::string first_slurm_host(const std::string& list) {
   const std::string prefix = list.substr(0, bracket);
   const std::string range = list.substr(bracket + 1);
   return prefix + range.substr(0, range.find_first_of("-,]"));
+}
+
+// A number above `min` (or equal, with `or_equal`); otherwise CLI11 prints
+// "--flag: must be <what>, got <value>".
+CLI::Validator number_above(double min, const std::string& what, bool or_equal = false) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        double v = 0;
+        size_t used = 0;
+        try {
+          v = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        const bool ok = used == text.size() && std::isfinite(v) && (or_equal ? v >= min : v > min);
+        return ok ? "" : "must be " + what + ", got '" + text + "'";
+      },
+      what);
 }
 
 int run(RunArgs args) {
@@ -193,7 +212,7 @@ void register_run(CLI::App& app, Action& action) {
       ->add_option("--max-restarts,--max_restarts", args->max_restarts,
                    "worker failures tolerated (each restarts all workers)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1000000));
   run_cmd
       ->add_option("--run-dir", args->run_dir,
                    "logs/worker_<rank>.out go here; workers get LOOM_RUN_DIR")
@@ -238,22 +257,26 @@ void register_run(CLI::App& app, Action& action) {
   run_cmd
       ->add_option("--straggler-threshold", args->straggler_threshold,
                    "flag a rank whose step time outside collective waits exceeds this many "
-                   "times the other ranks' median")
-      ->capture_default_str();
+                   "times the other ranks' median (above 1)")
+      ->capture_default_str()
+      ->check(number_above(1, "a ratio above 1 (1.3: 30% more than the others)"));
   run_cmd
       ->add_option("--straggler-window", args->straggler_window,
-                   "heartbeats (about one a second) each rank's median is taken over")
-      ->capture_default_str();
+                   "heartbeats (about one a second) each rank's median is taken over, 1 to 3600")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 3600));
   run_cmd
       ->add_option("--hang-factor", args->hang_factor,
                    "the job is hung when no rank finishes a step for this many median step "
                    "times (and --hang-min-seconds): each rank's phase and collective are logged "
                    "and flight recorders dumped; 0: off")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(number_above(0, "a number >= 0 (0: off)", true));
   run_cmd
       ->add_option("--hang-min-seconds", args->hang_min_seconds,
                    "the hang watchdog waits at least this long without a finished step")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(number_above(0, "seconds >= 0", true));
   run_cmd->add_option("program", args->program, "the program and its arguments (after --)")
       ->required();
   run_cmd->footer(
