@@ -26,6 +26,7 @@
 #include "loom/error.h"
 #include "util/deadline.h"
 #include "util/fd.h"
+#include "util/files.h"
 #include "util/subprocess.h"
 
 namespace loom::control {
@@ -481,7 +482,22 @@ class Agent {
         default:
           break;
       }
+      save_job_metrics(false);
       wait_for_exit_or_beat(workers);
+    }
+  }
+
+  // The node hosting the coordinator saves the job's metrics to <run_dir>/job_metrics.json
+  // (what /api/metrics serves; `loom top RUN_DIR` reads it): every 5 s while the job runs,
+  // and at the end. Observability only: a failed write is said, not thrown.
+  void save_job_metrics(bool at_end) {
+    if (!coordinator_ || (!at_end && Clock::now() < next_metrics_save_)) return;
+    next_metrics_save_ = Clock::now() + std::chrono::seconds(5);
+    try {
+      util::write_file_atomic(options_.run_dir / "job_metrics.json",
+                              coordinator_->job_metrics_json(), util::Durability::kAtomicOnly);
+    } catch (const Error& e) {
+      say("could not save the job's metrics: ", e.what());
     }
   }
 
@@ -544,6 +560,7 @@ class Agent {
 
   // The node hosting the coordinator stays up a little so the other agents hear the outcome.
   int linger(int code) {
+    save_job_metrics(true);
     if (coordinator_) std::this_thread::sleep_for(options_.heartbeat_interval * 3);
     return code;
   }
@@ -564,6 +581,7 @@ class Agent {
   int64_t nnodes_ = 1;
   bool followed_ = true;  // this generation's snapshot peers are followed (or there are none)
   bool failure_reported_ = false;
+  Clock::time_point next_metrics_save_{};  // when save_job_metrics writes again
 };
 
 }  // namespace

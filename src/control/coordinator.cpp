@@ -515,6 +515,10 @@ Coordinator::Coordinator(CoordinatorOptions options)
 Coordinator::~Coordinator() = default;
 const std::string& Coordinator::address() const { return impl_->address; }
 const std::string& Coordinator::metrics_address() const { return impl_->http_address; }
+std::string Coordinator::job_metrics_json() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->job_metrics.json(impl_->membership.status());
+}
 bool Coordinator::done() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->membership.done();

@@ -18,6 +18,7 @@ Coordinator::Coordinator(CoordinatorOptions) { unavailable(); }
 Coordinator::~Coordinator() = default;
 const std::string& Coordinator::address() const { unavailable(); }
 const std::string& Coordinator::metrics_address() const { unavailable(); }
+std::string Coordinator::job_metrics_json() const { unavailable(); }
 bool Coordinator::done() const { unavailable(); }
 std::string generate_token() { unavailable(); }
 

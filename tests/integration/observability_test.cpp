@@ -129,6 +129,18 @@ TEST(Observability, PrometheusScrapesARunningJobAndItsStragglerIsFlagged) {
   job.signal(SIGTERM);
   const auto status = job.wait_for(std::chrono::seconds(60));
   ASSERT_TRUE(status.has_value()) << "loom run did not stop on SIGTERM";
+  // After the job, its run directory holds the view as it ended: `loom top RUN_DIR`.
+  const auto saved = testing::run_program({kLoom, "top", (dir / "run").string()}, dir.path());
+  EXPECT_EQ(saved.exit_code, 0) << saved.output;
+  EXPECT_TRUE(testing::contains(saved.output, "generation 1 ")) << saved.output;
+  EXPECT_TRUE(testing::contains(saved.output, "straggler: rank 1")) << saved.output;
+  const auto job_metrics = json::parse(util::read_file(dir / "run" / "job_metrics.json"));
+  EXPECT_EQ(job_metrics["ranks"].size(), 2u);
+  EXPECT_GE(job_metrics["ranks"][1]["series"].size(), 3u);
+  const auto missing = testing::run_program({kLoom, "top", dir.path().string()}, dir.path());
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_TRUE(testing::contains(missing.output, "no job_metrics.json in " + dir.path().string()))
+      << missing.output;
 }
 
 TEST(Observability, TheHangWatchdogNamesTheRankStuckInItsDataAndTheCollectiveTheOtherWaitsIn) {

@@ -1,9 +1,11 @@
-// `loom top ADDRESS`: the live job view in a terminal, from the coordinator's metrics endpoint
-// (`loom run --metrics-address`): the job, every rank's step breakdown, the stragglers.
+// `loom top ADDRESS|RUN_DIR`: the live job view in a terminal, from the coordinator's metrics
+// endpoint (`loom run --metrics-address`), or a run's saved view: the job, every rank's step
+// breakdown, the stragglers, a hang.
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -13,6 +15,7 @@
 #include "loom/data/remote.h"
 #include "loom/error.h"
 #include "top_view.h"
+#include "util/files.h"
 
 namespace loom::cli {
 namespace {
@@ -23,7 +26,23 @@ struct TopArgs {
   double interval_s = 1;
 };
 
+// A run directory's <run_dir>/job_metrics.json, which `loom run` saves on the node hosting
+// the coordinator every 5 s and at the end: the view of a finished (or running) job, once.
+int show_run_dir(const std::filesystem::path& dir) {
+  const std::filesystem::path file = dir / "job_metrics.json";
+  try {
+    LOOM_CHECK(std::filesystem::exists(file), IoError, "no job_metrics.json in ", dir.string(),
+               ": `loom run` writes it there on the node hosting the coordinator (its --run-dir)");
+    std::cout << render_top(util::read_file(file));
+    return kExitOk;
+  } catch (const Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return kExitBadInput;
+  }
+}
+
 int run_top(const TopArgs& args) {
+  if (std::filesystem::is_directory(args.address)) return show_run_dir(args.address);
   data::RemoteOptions remote;
   remote.attempts = 1;
   remote.connect_timeout_s = 2;
@@ -61,7 +80,8 @@ void register_top(CLI::App& app, Action& action) {
   CLI::App* top = app.add_subcommand(
       "top", "Watch a running job: throughput, each rank's step breakdown, stragglers.");
   top->add_option("address", args->address,
-                  "host:port of the job's metrics endpoint (loom run --metrics-address)")
+                  "host:port of the job's metrics endpoint (loom run --metrics-address), or a "
+                  "run directory (its job_metrics.json, printed once)")
       ->required();
   top->add_flag("--once", args->once, "print the view once and exit (for scripts)");
   top->add_option("--interval", args->interval_s, "seconds between redraws")
@@ -69,7 +89,8 @@ void register_top(CLI::App& app, Action& action) {
       ->check(CLI::PositiveNumber);
   top->footer(
       "A job started with `loom run --metrics-address 127.0.0.1:9400 ...` is watched with\n"
-      "`loom top 127.0.0.1:9400`. An endpoint beyond loopback needs the job token: set\n"
+      "`loom top 127.0.0.1:9400`; after the job, `loom top RUN_DIR` shows the view saved at\n"
+      "its end. An endpoint beyond loopback needs the job token: set\n"
       "LOOM_JOB_TOKEN. Columns are means per step over each rank's newest heartbeat (about a\n"
       "second); busy_s is the step outside collective waits. docs/observability.md.");
   top->callback([args, &action] { action = [args] { return run_top(*args); }; });

@@ -81,6 +81,9 @@ class LOOM_API Coordinator {
   const std::string& address() const;
   // The metrics endpoint's address with its port ("127.0.0.1:40124"); empty when none.
   const std::string& metrics_address() const;
+  // The job's metrics as /api/metrics serves them (docs/observability.md), whether or not the
+  // endpoint is served: `loom run` saves them to <run_dir>/job_metrics.json.
+  std::string job_metrics_json() const;
   // True once the job finished or failed for good.
   bool done() const;
 
