@@ -25,9 +25,10 @@ struct Heartbeat::Impl {
   int64_t step = 0;
   double throughput = 0;
   std::string state = "starting";
-  // The steps since the last beat: times, counts and mfu * seconds summed; the rest the newest.
+  // The steps since the last beat: times, counts and mfu * seconds summed (-1 once a step's
+  // MFU is unknown); the rest the newest.
   int64_t steps = 0;
-  StepSample sums;
+  StepSample sums{.mfu = 0};
 
   std::thread thread;
 
@@ -53,7 +54,7 @@ struct Heartbeat::Impl {
     report->set_loss(sums.loss);
     report->set_goodput(sums.goodput);
     steps = 0;
-    sums = {};
+    sums = StepSample{.mfu = 0};
   }
 
   void loop() {
@@ -133,9 +134,7 @@ void Heartbeat::add_step(const StepSample& sample) {
   s.sums.tokens += sample.tokens;
   s.sums.samples += sample.samples;
   // MFU over the window: the steps' MFU weighted by their time (tokens over time, scaled).
-  s.sums.mfu = sample.mfu < 0 || (s.steps > 1 && s.sums.mfu < 0)
-                   ? -1
-                   : (s.steps > 1 ? s.sums.mfu : 0) + sample.mfu * sample.seconds;
+  s.sums.mfu = sample.mfu < 0 || s.sums.mfu < 0 ? -1 : s.sums.mfu + sample.mfu * sample.seconds;
   s.sums.rss_bytes = sample.rss_bytes;
   s.sums.loss = sample.loss;
   s.sums.goodput = sample.goodput;

@@ -150,10 +150,9 @@ void JobMetrics::observe(int rank, int64_t generation, RankActivity activity, do
 
 bool JobMetrics::check_hang(double now) {
   if (options_.hang_factor <= 0 || progress_step_ < 0 || !hang_.empty()) return false;
-  std::vector<double> steps;
-  for (const auto& [rank, p] : latest()) steps.push_back(p->step_seconds);
-  if (steps.empty()) return false;  // no step time to scale yet
-  const double median_step = median(steps);
+  const JobSummary job = summary();
+  if (job.ranks == 0) return false;  // no step time to scale yet
+  const double median_step = job.step_seconds;
   const double threshold = std::max(options_.hang_min_seconds, options_.hang_factor * median_step);
   const double stalled = now - progress_time_;
   if (stalled < threshold) return false;
@@ -272,6 +271,29 @@ void JobMetrics::detect() {
   stragglers_ = std::move(found);
 }
 
+JobSummary JobMetrics::summary() const {
+  JobSummary job;
+  std::vector<double> step_seconds, mfu;
+  for (const auto& [rank, p] : latest()) {
+    ++job.ranks;
+    step_seconds.push_back(p->step_seconds);
+    job.tokens_per_second += p->tokens_per_second;
+    job.samples_per_second += p->samples_per_second;
+    if (p->mfu >= 0) mfu.push_back(p->mfu);
+    if (rank == 0) {
+      job.goodput = p->goodput;
+      job.loss = p->loss;
+    }
+  }
+  job.step_seconds = median(step_seconds);
+  if (!mfu.empty()) {
+    double sum = 0;
+    for (double m : mfu) sum += m;
+    job.mfu = sum / static_cast<double>(mfu.size());
+  }
+  return job;
+}
+
 std::string JobMetrics::prometheus(const MembershipStatus& status) const {
   std::string out;
   Family(out, "loom_generation", "gauge",
@@ -284,38 +306,28 @@ std::string JobMetrics::prometheus(const MembershipStatus& status) const {
   Family(out, "loom_job_running", "gauge", "1 while a generation runs, else 0.")
       .add(status.phase == Phase::kRunning ? 1 : 0);
 
-  const std::map<int, const StepPoint*> now = latest();
-  std::vector<double> step_seconds, mfu;
-  double tokens = 0, samples = 0;
-  for (const auto& [rank, p] : now) {
-    step_seconds.push_back(p->step_seconds);
-    tokens += p->tokens_per_second;
-    samples += p->samples_per_second;
-    if (p->mfu >= 0) mfu.push_back(p->mfu);
-  }
-  if (!now.empty()) {
+  const JobSummary job = summary();
+  if (job.ranks > 0) {
     Family(out, "loom_job_tokens_per_second", "gauge",
            "Tokens trained per second, summed over the ranks' newest reports.")
-        .add(tokens);
+        .add(job.tokens_per_second);
     Family(out, "loom_job_samples_per_second", "gauge",
            "Samples trained per second, summed over the ranks' newest reports.")
-        .add(samples);
+        .add(job.samples_per_second);
     Family(out, "loom_job_step_seconds", "gauge",
            "The median over ranks of their newest mean step time.")
-        .add(median(step_seconds));
-    if (!mfu.empty()) {
-      double sum = 0;
-      for (double m : mfu) sum += m;
+        .add(job.step_seconds);
+    if (job.mfu) {
       Family(out, "loom_job_mfu_ratio", "gauge",
              "Model FLOPs utilisation, the mean of the ranks' newest.")
-          .add(sum / static_cast<double>(mfu.size()));
+          .add(*job.mfu);
     }
-    if (const auto main = now.find(0); main != now.end()) {
+    if (job.goodput) {
       Family(out, "loom_job_goodput_ratio", "gauge",
              "Productive time over wall time since the job started, as rank 0 accounts it.")
-          .add(main->second->goodput);
+          .add(*job.goodput);
       Family(out, "loom_job_loss", "gauge", "The newest step's loss (the mean over ranks).")
-          .add(main->second->loss);
+          .add(*job.loss);
     }
   }
   Family(out, "loom_job_stragglers", "gauge", "Ranks flagged as stragglers now.")
@@ -329,6 +341,7 @@ std::string JobMetrics::prometheus(const MembershipStatus& status) const {
                "Seconds since the rank's last heartbeat.");
     for (const auto& w : status.workers) age.add(w.seconds_since_heartbeat, rank_label(w.rank));
   }
+  const std::map<int, const StepPoint*> now = latest();
   if (now.empty()) return out;
   const auto per_rank = [&](const char* name, const char* help, auto value) {
     Family f(out, name, "gauge", help);
@@ -353,7 +366,7 @@ std::string JobMetrics::prometheus(const MembershipStatus& status) const {
            [](const StepPoint& p) { return p.tokens_per_second; });
   per_rank("loom_rank_samples_per_second", "Samples per second over the rank's newest report.",
            [](const StepPoint& p) { return p.samples_per_second; });
-  if (!mfu.empty()) {
+  if (job.mfu) {
     Family f(out, "loom_rank_mfu_ratio", "gauge",
              "Model FLOPs utilisation over the rank's newest report.");
     for (const auto& [rank, p] : now) {
@@ -378,6 +391,17 @@ std::string JobMetrics::json(const MembershipStatus& status) const {
   nlohmann::json job = {{"generation", status.generation},     {"state", phase_name(status.phase)},
                         {"world_size", status.world_size},     {"restarts", status.restarts},
                         {"last_failure", status.last_failure}, {"hang", hang_}};
+  const JobSummary sum = summary();
+  const auto optional_number = [](const std::optional<double>& v) {
+    return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+  };
+  nlohmann::json summary_json = {{"ranks", sum.ranks},
+                                 {"tokens_per_second", sum.tokens_per_second},
+                                 {"samples_per_second", sum.samples_per_second},
+                                 {"step_seconds", sum.step_seconds},
+                                 {"mfu", optional_number(sum.mfu)},
+                                 {"goodput", optional_number(sum.goodput)},
+                                 {"loss", optional_number(sum.loss)}};
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& [rank, series] : series_) {
     nlohmann::json points = nlohmann::json::array();
@@ -406,6 +430,7 @@ std::string JobMetrics::json(const MembershipStatus& status) const {
   for (const auto& [generation, start] : generation_start_)
     generations.push_back({{"generation", generation}, {"start_unix_time", start}});
   return nlohmann::json{{"job", std::move(job)},
+                        {"summary", std::move(summary_json)},
                         {"ranks", std::move(ranks)},
                         {"stragglers", std::move(stragglers)},
                         {"generations", std::move(generations)},

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,18 @@ struct RankActivity {
   void check() const;
 };
 
+// The job's figures from each rank's newest report in the current generation: what the
+// loom_job_* gauges and /api/metrics' "summary" say.
+struct JobSummary {
+  int ranks = 0;  // ranks with a report in the generation; 0: none yet (the rest is empty)
+  double tokens_per_second = 0;   // summed over ranks
+  double samples_per_second = 0;  // summed over ranks
+  double step_seconds = 0;        // the median over ranks
+  std::optional<double> mfu;      // the mean of the ranks' known MFU
+  std::optional<double> goodput;  // rank 0's (it keeps the job's goodput account)
+  std::optional<double> loss;     // rank 0's: the mean over ranks
+};
+
 struct Straggler {
   int rank = 0;
   double busy_seconds = 0;    // its median over the window
@@ -104,10 +117,11 @@ class JobMetrics {
   int64_t generation() const { return generation_; }
   const std::map<int, std::deque<StepPoint>>& series() const { return series_; }
 
+  JobSummary summary() const;
   // The Prometheus text exposition format (version 0.0.4) of the job and its ranks.
   std::string prometheus(const MembershipStatus& status) const;
-  // The same as one JSON object, with each rank's series: {"job": {...}, "ranks": [...],
-  // "stragglers": [...], "generations": [{generation, start_unix_time}]}.
+  // The same as one JSON object, with each rank's series: {"job": {...}, "summary": {...},
+  // "ranks": [...], "stragglers": [...], "generations": [{generation, start_unix_time}]}.
   std::string json(const MembershipStatus& status) const;
 
  private:

@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -28,9 +27,10 @@ double phase(const json& point, const char* name) {
 
 std::string render_top(const std::string& api_metrics_json) {
   const json j = json::parse(api_metrics_json, nullptr, /*allow_exceptions=*/false);
-  LOOM_CHECK(j.is_object() && j.contains("job") && j.contains("ranks") && j.contains("stragglers"),
+  LOOM_CHECK(j.is_object() && j.contains("job") && j.contains("summary") && j.contains("ranks") &&
+                 j.contains("stragglers"),
              InvalidArgument,
-             "not the coordinator's /api/metrics answer (no job, ranks and stragglers): ",
+             "not the coordinator's /api/metrics answer (no job, summary, ranks and stragglers): ",
              api_metrics_json.substr(0, 200));
   try {
     const json& job = j.at("job");
@@ -45,30 +45,24 @@ std::string render_top(const std::string& api_metrics_json) {
     }
     // Each rank's newest report in the current generation.
     std::vector<std::pair<int, const json*>> rows;
-    double tokens = 0;
-    std::vector<double> steps;
-    const json* main_point = nullptr;
     for (const json& r : j.at("ranks")) {
       const json& series = r.at("series");
       if (series.empty() || series.back().at("generation").get<int64_t>() != generation) continue;
-      const int rank = r.at("rank").get<int>();
-      rows.emplace_back(rank, &series.back());
-      tokens += series.back().at("tokens_per_second").get<double>();
-      steps.push_back(series.back().at("step_seconds").get<double>());
-      if (rank == 0) main_point = &series.back();
+      rows.emplace_back(r.at("rank").get<int>(), &series.back());
     }
     std::string out = fmt::format("generation {} {}, world {}, restarts {}", generation,
                                   job.at("state").get<std::string>(),
                                   job.at("world_size").get<int>(), job.at("restarts").get<int>());
-    if (!rows.empty()) {
-      std::sort(steps.begin(), steps.end());
-      const size_t n = steps.size();
-      const double median = n % 2 ? steps[n / 2] : (steps[n / 2 - 1] + steps[n / 2]) / 2;
-      out += fmt::format(" | {:.0f} tokens/s | step {:.3f} s", tokens, median);
-      if (main_point != nullptr) {
-        out +=
-            fmt::format(" | MFU {} | goodput {} | loss {:.4f}", percent(main_point->at("mfu")),
-                        percent(main_point->at("goodput")), main_point->at("loss").get<double>());
+    // The job's figures as the coordinator sums them (JobMetrics::summary).
+    const json& summary = j.at("summary");
+    if (summary.at("ranks").get<int>() > 0) {
+      out += fmt::format(" | {:.0f} tokens/s | step {:.3f} s | MFU {}",
+                         summary.at("tokens_per_second").get<double>(),
+                         summary.at("step_seconds").get<double>(), percent(summary.at("mfu")));
+      if (!summary.at("goodput").is_null()) {
+        const json& loss = summary.at("loss");  // null: not finite
+        out += fmt::format(" | goodput {} | loss {}", percent(summary.at("goodput")),
+                           loss.is_number() ? fmt::format("{:.4f}", loss.get<double>()) : "-");
       }
     }
     if (job.contains("hang") && !job.at("hang").get<std::string>().empty())

@@ -41,6 +41,14 @@ TEST(TopView, RendersTheJobTheRanksOfTheCurrentGenerationAndTheStragglers) {
         {"restarts", 1},
         {"last_failure", "rank 1 exited with code 9"},
         {"hang", "no rank has finished a step for 75.0 s (...)"}}},
+      {"summary",
+       {{"ranks", 2},
+        {"tokens_per_second", 3072.0},
+        {"samples_per_second", 24.0},
+        {"step_seconds", 0.75},
+        {"mfu", 0.25},
+        {"goodput", 0.875},
+        {"loss", 2.5}}},
       {"ranks",
        {{{"rank", 0},
          {"series", {point(1, 3, 0.25, 0.0, 0.5), point(2, 41, 0.25, 0.5, 0.25)}},
@@ -77,6 +85,14 @@ TEST(TopView, AJobWithoutStepsYetSaysSo) {
                          {"world_size", 0},
                          {"restarts", 0},
                          {"last_failure", ""}}},
+                       {"summary",
+                        {{"ranks", 0},
+                         {"tokens_per_second", 0.0},
+                         {"samples_per_second", 0.0},
+                         {"step_seconds", 0.0},
+                         {"mfu", nullptr},
+                         {"goodput", nullptr},
+                         {"loss", nullptr}}},
                        {"ranks", json::array()},
                        {"stragglers", json::array()}};
   EXPECT_EQ(render_top(answer.dump()),
@@ -89,7 +105,7 @@ TEST(TopView, AnotherAnswerIsAClearError) {
   EXPECT_NE(message.find("not the coordinator's /api/metrics answer"), std::string::npos)
       << message;
   message = testing::error_of<InvalidArgument>(
-      [] { render_top(R"({"job": {}, "ranks": [], "stragglers": []})"); });
+      [] { render_top(R"({"job": {}, "summary": {}, "ranks": [], "stragglers": []})"); });
   EXPECT_NE(message.find("lacks a field"), std::string::npos) << message;
 }
 

@@ -261,6 +261,14 @@ TEST(JobMetrics, JsonHoldsEverySeriesPointAndTheStragglers) {
                                       {"restarts", 0},
                                       {"last_failure", ""},
                                       {"hang", ""}}));
+  // Generation 2's figures: rank 0's report only (rank 1's is of generation 1).
+  EXPECT_EQ(j["summary"], (nlohmann::json{{"ranks", 1},
+                                          {"tokens_per_second", 1000.0},
+                                          {"samples_per_second", 10.0},
+                                          {"step_seconds", point(2, 1, 0.1, 0.0).step_seconds},
+                                          {"mfu", nullptr},
+                                          {"goodput", 0.0},
+                                          {"loss", 0.0}}));
   ASSERT_EQ(j["ranks"].size(), 2u);
   EXPECT_EQ(j["ranks"][0]["rank"], 0);
   ASSERT_EQ(j["ranks"][0]["series"].size(), 2u);
