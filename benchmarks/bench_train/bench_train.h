@@ -123,6 +123,8 @@ int run_parent(const Settings& s, const std::string& self);
 void run_ddp_worker(const Settings& s);
 void run_trainer_worker(const Settings& s);
 int run_trainer_parent(Settings s, const std::string& self);
+void run_trace_worker(const Settings& s);
+int run_trace_parent(Settings s, const std::string& self);
 void run_sharding_worker(const Settings& s);
 int run_sharding_parent(Settings s, const std::string& self, const std::vector<int>& worlds);
 int run_pipeline(const Settings& s);

@@ -19,6 +19,10 @@
 // Every loop reads the same token batches (one data::Reader each, same dataset and options),
 // clips the gradient norm to 1 and takes the loss with .item().
 //
+// --mode=trace: the Trainer's step with tracing on (metrics.trace_steps) beside its untraced
+// steps in the same run (the 3M model, 2 ranks), the step that writes the trace file, and the
+// estimated cost of tracing off (a measured atomic check times the sites a step passes).
+//
 // --mode=sharding: the GPT example's model (~20M parameters) on W = 2 and 4 ranks as processes,
 // under DDP, ZeRO-1, ZeRO-2, FSDP (each block a unit) and FSDP with activation checkpointing:
 // step time beside DDP's (cold and warm; FSDP without prefetch too, to show what prefetch
@@ -33,6 +37,7 @@
 //
 //   bench_train --mode=ddp               2 ranks, the 20M model, table
 //   bench_train --mode=trainer           1 and 2 ranks, the 3M model, table
+//   bench_train --mode=trace             2 ranks, the 3M model, tracing on and off
 //   bench_train --mode=sharding          2 and 4 ranks, the 20M GPT, table
 //   bench_train --mode=pipeline          4 stages, 8 micro-batches, the three schedules
 //   bench_train --mode=... --json        JSON rows
@@ -66,8 +71,8 @@ void use_trainer_defaults(Settings& s, const CLI::App& app) {
 int main(int argc, char** argv) {
   Settings s;
   CLI::App app{"bench_train: data-parallel training steps, Loom beside the plain way"};
-  app.add_option("--mode", s.mode, "what to measure: ddp, trainer, sharding or pipeline")
-      ->check(CLI::IsMember({"ddp", "trainer", "sharding", "pipeline"}));
+  app.add_option("--mode", s.mode, "what to measure: ddp, trainer, trace, sharding or pipeline")
+      ->check(CLI::IsMember({"ddp", "trainer", "trace", "sharding", "pipeline"}));
   app.add_option("--ranks", s.ranks, "ranks (processes)")->check(CLI::Range(1, 64));
   app.add_option("--vocab", s.vocab, "vocabulary size");
   app.add_option("--dim", s.dim, "model width");
@@ -92,8 +97,14 @@ int main(int argc, char** argv) {
   app.add_option("--baton", s.baton, "internal: turn-taking directory with Python DDP")->group("");
   CLI11_PARSE(app, argc, argv);
   const bool trainer = s.mode == "trainer";
+  const bool trace = s.mode == "trace";
   const bool sharding = s.mode == "sharding";
-  if (trainer) use_trainer_defaults(s, app);
+  if (trainer || trace) use_trainer_defaults(s, app);
+  if (trace) {
+    if (app.count("--ranks") == 0) s.ranks = 2;
+    if (app.count("--steps") == 0) s.steps = 24;  // cycles of 8 steps
+    if (app.count("--warmup") == 0) s.warmup = 8;
+  }
   // --mode=sharding: ~20M parameters with the tied head; W = 2 and 4 unless --ranks is given.
   if (sharding && app.count("--vocab") == 0) s.vocab = 16384;
   const std::vector<int> sharding_worlds =
@@ -107,6 +118,8 @@ int main(int argc, char** argv) {
     if (s.worker_rank >= 0) {
       if (trainer) {
         bench_train::run_trainer_worker(s);
+      } else if (trace) {
+        bench_train::run_trace_worker(s);
       } else if (sharding) {
         bench_train::run_sharding_worker(s);
       } else {
@@ -115,6 +128,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (sharding) return bench_train::run_sharding_parent(s, "/proc/self/exe", sharding_worlds);
+    if (trace) return bench_train::run_trace_parent(s, "/proc/self/exe");
     return trainer ? bench_train::run_trainer_parent(s, "/proc/self/exe")
                    : bench_train::run_parent(s, "/proc/self/exe");
   } catch (const std::exception& e) {

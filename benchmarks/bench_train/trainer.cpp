@@ -10,12 +10,14 @@
 #include <thread>
 
 #include "bench_train.h"
+#include "comm/group_internal.h"
 #include "loom/comm/gloo.h"
 #include "loom/comm/store.h"
 #include "loom/config.h"
 #include "loom/data/dataset.h"
 #include "loom/data/reader.h"
 #include "loom/error.h"
+#include "loom/metrics/trace.h"
 #include "loom/parallel/data_parallel.h"
 #include "loom/runtime.h"
 #include "loom/train/trainer.h"
@@ -506,4 +508,212 @@ int run_trainer_parent(Settings s, const std::string& self) {
   std::filesystem::remove_all(dir);
   return 0;
 }
+
+// --- --mode=trace ----------------------------------------------------------------------------
+
+namespace {
+
+// A cycle of kCycle Trainer steps: the first kTraced traced (metrics.trace_steps), then the
+// step that flushes the trace file as it begins, then untraced steps. All in one Trainer, so
+// that traced and untraced steps share the model, data, threads and machine load.
+constexpr int kCycle = 8;
+constexpr int kTraced = 4;
+
+enum class StepKind { kWarmup, kTraced, kFlush, kOff };
+
+StepKind kind_of(const Settings& s, int64_t step) {
+  if (step < s.warmup) return StepKind::kWarmup;
+  const int64_t at = (step - s.warmup) % kCycle;
+  return at < kTraced ? StepKind::kTraced : at == kTraced ? StepKind::kFlush : StepKind::kOff;
+}
+
+// The cost of one metrics::tracing() check while off, in ns: the median of 9 timings of
+// 10 million checks.
+double tracing_check_ns() {
+  std::vector<double> ns;
+  for (int round = 0; round < 9; ++round) {
+    const auto start = Clock::now();
+    int on = 0;
+    for (int i = 0; i < 10'000'000; ++i) on += loom::metrics::tracing() ? 1 : 0;
+    ns.push_back(ms_since(start) * 1e6 / 1e7 + (on > 0 ? 1e9 : 0));
+  }
+  return median(ns);
+}
+
+// The cost of recording one span while tracing, in ns, as a collective's is recorded (the
+// dearest kind: its arguments are built as JSON): the mean over 20000 spans, the median of 5
+// such rounds. Needs a recording StepTracer.
+double span_record_ns() {
+  loom::comm::internal::GroupState group(0, 2, "world", {}, 16);
+  std::vector<double> ns;
+  for (int round = 0; round < 5; ++round) {
+    const auto start = Clock::now();
+    for (int i = 0; i < 20'000; ++i) {
+      const int64_t begin = loom::metrics::trace_now_us();
+      std::string args = loom::comm::internal::collective_trace_args(
+          group, static_cast<uint64_t>(i), "float32", 1 << 20, {});
+      loom::comm::internal::trace_collective("all_reduce", begin, std::move(args), false);
+    }
+    ns.push_back(ms_since(start) * 1e6 / 20'000);
+  }
+  return median(ns);
+}
+
+}  // namespace
+
+void run_trace_worker(const Settings& s) {
+  loom::Runtime rt = trainer_runtime(s);
+  loom::comm::Group& group = rt.world_group();
+  auto model = make_model(s);
+  auto dp = make_data_parallel(model, group, s);
+  auto reader = rt.open_dataset(s.dataset, {.batch_size = s.batch, .seq_len = s.seq});
+  loom::train::TrainOptions options;
+  options.steps = s.warmup + static_cast<int64_t>(s.steps) * kCycle;
+  options.grad_clip = 1.0;
+  options.schedule = loom::train::Schedule::constant(1e-4);
+  options.resume = false;
+  for (int64_t step = 0; step < options.steps; ++step) {
+    if (kind_of(s, step) == StepKind::kTraced) options.trace_steps.push_back(step);
+  }
+  std::vector<double> traced_ms, flush_ms, off_ms;
+  auto start = Clock::now();
+  loom::train::Callbacks callbacks;
+  // Every step runs from one barrier to the next (the slowest rank's), as in measure_trainer.
+  callbacks.on_step_end = [&](const loom::train::StepInfo& info) {
+    group.barrier()->wait();
+    const double ms = ms_since(start);
+    switch (kind_of(s, info.step)) {
+      case StepKind::kTraced:
+        traced_ms.push_back(ms);
+        break;
+      case StepKind::kFlush:
+        flush_ms.push_back(ms);
+        break;
+      case StepKind::kOff:
+        off_ms.push_back(ms);
+        break;
+      case StepKind::kWarmup:
+        break;
+    }
+    start = Clock::now();
+  };
+  loom::train::Trainer trainer(
+      rt, *dp, *reader, options,
+      [&](const loom::data::Batch& batch) {
+        const at::Tensor& tokens = batch["tokens"];
+        return loom::train::MicroStep{.loss = loss_on(*model, s, tokens),
+                                      .tokens = tokens.size(0) * s.seq,
+                                      .samples = tokens.size(0)};
+      },
+      callbacks);
+  group.barrier()->wait();
+  start = Clock::now();
+  trainer.fit();
+  // Rank 0's trace file is complete now; the cost of one span is measured into another run
+  // directory's, as a process that records nothing else.
+  if (s.worker_rank != 0) return;
+  double record_ns = 0;
+  {
+    loom::Runtime solo = loom::Runtime::init(
+        loom::Config::load(
+            loom::Runtime::schema(),
+            {.read_env = false,
+             .overrides = {"run.dir=" + (std::filesystem::path(s.store_dir) / "span_cost").string(),
+                           "log.level=warn", "log.to_file=false"}}),
+        loom::Topology{.rank = 0, .world_size = 1}, /*configure_process=*/false);
+    loom::metrics::StepTracer tracer(solo, {0});
+    tracer.begin_step(0);
+    record_ns = span_record_ns();
+  }
+  std::ofstream out(std::filesystem::path(s.store_dir) / "times.txt");
+  write_line(out, traced_ms);
+  write_line(out, flush_ms);
+  write_line(out, off_ms);
+  write_line(out, {tracing_check_ns(), record_ns});
+}
+
+int run_trace_parent(Settings s, const std::string& self) {
+  const std::filesystem::path dir = scratch_dir();
+  s.dataset = (dir / "tokens").string();
+  write_token_dataset(s, s.dataset);
+  const double params_m = parameter_count(*make_model(s)) / 1e6;
+  if (!s.json) {
+    std::printf(
+        "bench_train --mode=trace: the Trainer on a %.2fM-parameter transformer, %d ranks, %d "
+        "thread(s) per rank; %d cycles of %d steps after %d warmup: %d traced "
+        "(metrics.trace_steps), 1 that writes the trace file as it begins, %d untraced; "
+        "medians per kind of step\n",
+        params_m, s.ranks, s.threads, s.steps, kCycle, s.warmup, kTraced, kCycle - kTraced - 1);
+    std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
+                "unit", "ratio");
+  }
+  const std::filesystem::path run = dir / "run";
+  if (!run_ranks(s, self, run)) {
+    std::cerr << "bench_train: rank logs kept in " << dir << std::endl;
+    return 1;
+  }
+  std::ifstream in(run / "times.txt");
+  const std::vector<double> traced = read_line(in), flush = read_line(in), off = read_line(in),
+                            check = read_line(in);
+  LOOM_CHECK(!traced.empty() && !flush.empty() && !off.empty() && check.size() == 2, loom::Error,
+             "no times from the run");
+  // The spans one traced step records (rank 0's file): each passed one tracing() check, as the
+  // same sites do in an untraced step.
+  const std::filesystem::path file = run / "run" / "traces" / "rank_0.json";
+  std::ifstream trace_in(file);
+  const std::string trace_text((std::istreambuf_iterator<char>(trace_in)), {});
+  size_t spans = 0;
+  for (size_t at = trace_text.find("\"ph\":\"X\""); at != std::string::npos;
+       at = trace_text.find("\"ph\":\"X\"", at + 1)) {
+    ++spans;
+  }
+  const double spans_per_step =
+      static_cast<double>(spans) / (static_cast<double>(s.steps) * kTraced);
+  auto spread_pct = [](const std::vector<double>& v) {
+    return (*std::max_element(v.begin(), v.end()) - *std::min_element(v.begin(), v.end())) /
+           median(v) * 100;
+  };
+  // Paired by cycle (steps seconds apart, so drift in the machine's load cancels): the median
+  // over cycles of (the cycle's untraced median / its `per_cycle` steps' median).
+  auto cycle_ratio = [&](const std::vector<double>& steps, size_t per_cycle) {
+    std::vector<double> ratios;
+    const size_t off_per_cycle = static_cast<size_t>(kCycle - kTraced - 1);
+    for (size_t c = 0; (c + 1) * per_cycle <= steps.size() && (c + 1) * off_per_cycle <= off.size();
+         ++c) {
+      const std::vector<double> mine(steps.begin() + c * per_cycle,
+                                     steps.begin() + (c + 1) * per_cycle);
+      const std::vector<double> base(off.begin() + c * off_per_cycle,
+                                     off.begin() + (c + 1) * off_per_cycle);
+      ratios.push_back(median(base) / median(mine));
+    }
+    return median(ratios);
+  };
+  auto row = [&](const std::string& name, double loom_ms, const std::vector<double>& loom_all,
+                 const std::string& base_name, std::map<std::string, double> extra) {
+    extra["params_m"] = params_m;
+    extra["rounds"] = static_cast<double>(loom_all.size());
+    extra["loom_spread_pct"] = spread_pct(loom_all);
+    extra["baseline_rounds"] = static_cast<double>(off.size());
+    extra["baseline_spread_pct"] = spread_pct(off);
+    extra["spans_per_traced_step"] = spans_per_step;
+    emit(s, {"train", name, loom_ms, median(off), base_name, "ms", median(off) / loom_ms, extra});
+  };
+  const std::string suffix = loom::detail::concat("/", s.ranks, s.ranks == 1 ? "rank" : "ranks");
+  row("tracing_on" + suffix, median(traced), traced, "untraced_steps_same_run",
+      {{"median_cycle_ratio", cycle_ratio(traced, kTraced)}});
+  row("trace_flush_step" + suffix, median(flush), flush, "untraced_steps_same_run",
+      {{"median_cycle_ratio", cycle_ratio(flush, 1)}});
+  // On, each span's recording (measured apart, as a collective's) times the spans of a step.
+  const double on_cost_ms = check[1] * spans_per_step / 1e6;
+  row("tracing_on_estimate" + suffix, median(off) + on_cost_ms, off, "untraced_step_without_spans",
+      {{"span_ns", check[1]}});
+  // Off, every recording site is one relaxed atomic load: its measured cost times the sites a
+  // step passes (one per span a traced step records), added to the untraced step.
+  const double off_cost_ms = check[0] * spans_per_step / 1e6;
+  row("tracing_off_estimate" + suffix, median(off) + off_cost_ms, off,
+      "untraced_step_without_checks", {{"check_ns", check[0]}});
+  std::filesystem::remove_all(dir);
+  return 0;
+}
+
 }  // namespace bench_train

@@ -23,6 +23,7 @@
 #include "loom/metrics/logger.h"
 #include "loom/metrics/memory.h"
 #include "loom/metrics/step_timer.h"
+#include "loom/metrics/trace.h"
 #include "loom/optim/flat_optimizer.h"
 #include "loom/parallel/activation_checkpoint.h"
 #include "loom/parallel/data_parallel.h"

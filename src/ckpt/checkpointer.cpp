@@ -41,7 +41,9 @@
 #include "ckpt/storage.h"
 #include "loom/comm/store.h"
 #include "loom/error.h"
+#include "loom/metrics/trace.h"
 #include "util/hash.h"
+#include "util/thread_name.h"
 
 namespace loom::ckpt {
 namespace {
@@ -103,6 +105,8 @@ struct SaveHandle::Job {
       copy_started = true;
     }
     std::exception_ptr failure;
+    metrics::TraceSpan span("checkpoint", "checkpoint copy");
+    span.args(detail::concat("{\"step\":", step, "}"));
     try {
       copy_pieces(parallel);
       // The caller may change the CUDA tensors once copy() returned: later work on the compute
@@ -301,6 +305,7 @@ struct Checkpointer::Impl {
 };
 
 void Checkpointer::Impl::copier_loop() {
+  util::name_this_thread("ckpt copy");
   while (true) {
     std::shared_ptr<Job> job;
     {
@@ -314,6 +319,7 @@ void Checkpointer::Impl::copier_loop() {
 }
 
 void Checkpointer::Impl::writer_loop() {
+  util::name_this_thread("ckpt writer");
   while (true) {
     std::shared_ptr<Job> job;
     {
@@ -332,6 +338,8 @@ void Checkpointer::Impl::run_job(Job& job) {
   bool skipped = false;
   std::exception_ptr failure;
   try {
+    metrics::TraceSpan span("checkpoint", "checkpoint write");
+    span.args(detail::concat("{\"step\":", job.step, "}"));
     write_file(job);
   } catch (...) {
     failure = std::current_exception();
@@ -351,6 +359,8 @@ void Checkpointer::Impl::run_job(Job& job) {
     }
   }
   if (!failure) {
+    metrics::TraceSpan span("checkpoint", "checkpoint commit");
+    span.args(detail::concat("{\"step\":", job.step, "}"));
     try {
       if (rank == 0) {
         skipped = commit(protocol, job);

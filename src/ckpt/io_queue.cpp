@@ -2,12 +2,17 @@
 #include "ckpt/io_queue.h"
 
 #include "loom/error.h"
+#include "util/thread_name.h"
 
 namespace loom::ckpt {
 
 IoQueue::IoQueue(int threads) {
   LOOM_CHECK(threads > 0, InvalidArgument, "IoQueue: threads must be positive, got ", threads);
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { work(); });
+  for (int i = 0; i < threads; ++i)
+    workers_.emplace_back([this] {
+      util::name_this_thread("ckpt io");
+      work();
+    });
 }
 
 IoQueue::~IoQueue() {

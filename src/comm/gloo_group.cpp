@@ -34,9 +34,11 @@
 #include "comm/work.h"
 #include "loom/comm/flight_recorder.h"
 #include "loom/error.h"
+#include "loom/metrics/trace.h"
 #include "util/deadline.h"
 #include "util/dtype.h"
 #include "util/mix.h"
+#include "util/thread_name.h"
 
 namespace loom::comm {
 namespace {
@@ -504,6 +506,9 @@ class GlooGroup final : public Group {
     std::function<void(uint32_t tag)> run;
     // Send/recv: posts the transfer on the worker thread; a waiter thread waits for it.
     std::function<Transfer()> post;
+    // Traces: the span's arguments when issued while tracing, and when it started running.
+    std::string trace_args;
+    int64_t trace_start_us = -1;
   };
   struct PendingTransfer {
     Op op;
@@ -595,7 +600,13 @@ WorkPtr GlooGroup::enqueue(const char* op, const std::string& dtype, int64_t num
                            std::vector<int> peers, milliseconds timeout, Op body) {
   std::string label_peers = peers.empty() ? "" : ", peer rank " + rank_list(peers, ", ");
   const std::string signature = detail::concat(op, "|", dtype, "|", numel, "|", label_peers);
+  const bool traced = metrics::tracing();
+  const std::vector<int> traced_peers = traced ? peers : std::vector<int>();
   const uint64_t sequence = state_->recorder.enqueue(op, dtype, numel, std::move(peers));
+  if (traced) {
+    body.trace_args =
+        internal::collective_trace_args(*state_, sequence, dtype, numel, traced_peers);
+  }
   // Collectives meet on a tag from their own count, so that a group whose ranks send and
   // receive different numbers of tensors (a pipeline's stages) still matches its collectives.
   body.tag = body.post ? 0 : collective_tag(++collectives_issued_, signature);
@@ -623,6 +634,7 @@ WorkPtr GlooGroup::enqueue(const char* op, const std::string& dtype, int64_t num
 }
 
 void GlooGroup::worker_loop() {
+  util::name_this_thread("comm " + state_->name);
   // This thread runs the shared-memory ops: peers see it alive while it holds the segment.
   struct Attachment {
     ShmCollectives* shm;
@@ -655,6 +667,7 @@ void GlooGroup::worker_loop() {
 void GlooGroup::run_op(Op& op) {
   const uint64_t sequence = op.work->sequence();
   state_->recorder.start(sequence);
+  if (!op.trace_args.empty()) op.trace_start_us = metrics::trace_now_us();
   const std::string broken = state_->broken_reason();
   if (!broken.empty()) {
     fail(op, detail::concat("not run because the group is broken: ", broken));
@@ -693,6 +706,7 @@ void GlooGroup::run_op(Op& op) {
 }
 
 void GlooGroup::wait_transfer(PendingTransfer& pending) {
+  util::name_this_thread("comm " + state_->name + " p2p");
   gloo::transport::UnboundBuffer* buffer = pending.transfer.buffer.get();
   std::string error;
   bool timed_out = false;
@@ -728,6 +742,8 @@ void GlooGroup::wait_transfer(PendingTransfer& pending) {
 
 void GlooGroup::finish(Op& op, std::exception_ptr error) {
   state_->recorder.finish(op.work->sequence(), error ? OpState::kFailed : OpState::kCompleted);
+  internal::trace_collective(op.work->op(), op.trace_start_us, std::move(op.trace_args),
+                             error != nullptr);
   op.work->complete(std::move(error));
 }
 

@@ -5,11 +5,14 @@
 
 #include <ATen/ATen.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <utility>
 
 #include "comm/group_internal.h"
 #include "loom/error.h"
+#include "loom/metrics/trace.h"
 #include "util/dtype.h"
 
 namespace loom::comm {
@@ -243,6 +246,22 @@ bool GroupState::mark_broken(const std::string& why) {
 std::string GroupState::broken_reason() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return broken_;
+}
+
+std::string collective_trace_args(const GroupState& state, uint64_t sequence,
+                                  const std::string& dtype, int64_t numel,
+                                  const std::vector<int>& peers) {
+  const std::optional<c10::ScalarType> type = util::dtype_of(dtype);
+  const int64_t bytes = type ? numel * static_cast<int64_t>(c10::elementSize(*type)) : 0;
+  return nlohmann::json{{"group", state.name}, {"sequence", sequence}, {"dtype", dtype},
+                        {"numel", numel},      {"bytes", bytes},       {"peers", peers}}
+      .dump();
+}
+
+void trace_collective(const std::string& op, int64_t start_us, std::string args, bool failed) {
+  if (start_us < 0) return;
+  metrics::trace_span("collective", failed ? op + " (failed)" : op, start_us,
+                      metrics::trace_now_us(), std::move(args));
 }
 
 std::string GroupState::dump_flight() const noexcept {

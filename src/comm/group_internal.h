@@ -105,4 +105,13 @@ class GroupState {
   std::string broken_;
 };
 
+// Traces (loom/metrics/trace.h): the arguments of a collective's span, recorded when the op
+// is issued while tracing: {"group", "sequence", "dtype", "numel", "bytes", "peers"}.
+std::string collective_trace_args(const GroupState& state, uint64_t sequence,
+                                  const std::string& dtype, int64_t numel,
+                                  const std::vector<int>& peers);
+// Records the op's span on the calling thread, from `start_us` (when it started running) to
+// now; nothing when start_us < 0 (not traced). A failed op's span says so.
+void trace_collective(const std::string& op, int64_t start_us, std::string args, bool failed);
+
 }  // namespace loom::comm::internal

@@ -21,6 +21,7 @@
 #include "comm/work.h"
 #include "loom/comm/flight_recorder.h"
 #include "loom/comm/nccl.h"
+#include "loom/metrics/trace.h"
 #include "util/dtype.h"
 
 namespace loom::comm {
@@ -177,6 +178,11 @@ class Comm {
 struct PendingOp {
   Event done;
   std::vector<at::Tensor> tensors;
+  // Traces: an op issued while tracing is a span from its launch to the poll that saw it done
+  // (host time, an upper bound of the device's), with its arguments.
+  std::string op;
+  std::string trace_args;
+  int64_t trace_start_us = -1;
 };
 
 // The Work of an op: a polled WorkImpl (Loom's shared completion and timeout path), plus the
@@ -220,6 +226,7 @@ WorkImpl::Poll poll_op(std::shared_ptr<Comm> comm, std::shared_ptr<PendingOp> op
     std::string why;
     if (event == cudaSuccess) {
       comm->state.recorder.finish(sequence, OpState::kCompleted);
+      internal::trace_collective(op->op, op->trace_start_us, op->trace_args, false);
       op->tensors.clear();
       return std::exception_ptr();
     }
@@ -234,6 +241,7 @@ WorkImpl::Poll poll_op(std::shared_ptr<Comm> comm, std::shared_ptr<PendingOp> op
     }
     const std::string note = comm->fail(detail::concat(label, " failed: ", why));
     comm->state.recorder.finish(sequence, OpState::kFailed);
+    internal::trace_collective(op->op, op->trace_start_us, op->trace_args, true);
     return std::make_exception_ptr(CommError(detail::concat(
         label, " of NCCL group ", comm->state.description, " failed: ", why,
         ". The group is unusable; destroy and rebuild it.", note.empty() ? "" : " ", note)));
@@ -429,11 +437,20 @@ class NcclGroup final : public Group {
   WorkPtr launch(const char* op, const at::Tensor& main, std::vector<int> peers,
                  std::vector<at::Tensor> keep, std::chrono::milliseconds timeout, Body body) {
     if (comm_->state.is_broken()) throw CommError(comm_->unusable());
-    const uint64_t sequence = comm_->state.recorder.enqueue(
-        op, util::dtype_name(main.scalar_type()), main.numel(), std::move(peers));
+    const bool traced = metrics::tracing();
+    const std::vector<int> traced_peers = traced ? peers : std::vector<int>();
+    const std::string dtype = util::dtype_name(main.scalar_type());
+    const uint64_t sequence =
+        comm_->state.recorder.enqueue(op, dtype, main.numel(), std::move(peers));
     const std::string label = detail::concat(describe(op, main), " #", sequence);
     auto pending = std::make_shared<PendingOp>();
     pending->tensors = std::move(keep);
+    if (traced) {
+      pending->op = op;
+      pending->trace_args = internal::collective_trace_args(comm_->state, sequence, dtype,
+                                                            main.numel(), traced_peers);
+      pending->trace_start_us = metrics::trace_now_us();
+    }
     try {
       LOOM_CHECK_CUDA(cudaSetDevice(options_.device));
       Event ready;

@@ -4,7 +4,9 @@
 #include <atomic>
 
 #include "loom/error.h"
+#include "loom/metrics/trace.h"
 #include "metrics/activity.h"
+#include "metrics/trace_internal.h"
 
 namespace loom::metrics {
 namespace {
@@ -70,6 +72,7 @@ void StepTimer::begin_step() {
   current_ = StepTimes{};
   step_start_ = clock_();
   mark_ = step_start_;
+  trace_step_start_us_ = tracing() ? trace_now_us() : -1;
   publish(in_step_, open_);
 }
 
@@ -89,12 +92,17 @@ void StepTimer::push(Phase phase) {
              ") outside a step: call begin_step first");
   charge(clock_());
   open_.push_back(phase);
+  trace_start_us_.push_back(tracing() ? trace_now_us() : -1);
   publish(in_step_, open_);
 }
 
 void StepTimer::pop() {
   // A Scope only exists after a successful push, so open_ is not empty here.
   charge(clock_());
+  if (trace_start_us_.back() >= 0) {
+    trace_span("phase", to_string(open_.back()), trace_start_us_.back(), trace_now_us());
+  }
+  trace_start_us_.pop_back();
   open_.pop_back();
   publish(in_step_, open_);
 }
@@ -107,6 +115,12 @@ StepTimes StepTimer::end_step() {
   charge(now);
   current_.total = std::chrono::duration<double>(now - step_start_).count();
   in_step_ = false;
+  if (trace_step_start_us_ >= 0) {
+    const int64_t step = internal::traced_step();
+    trace_span("step", step >= 0 ? "step " + std::to_string(step) : std::string("step"),
+               trace_step_start_us_, trace_now_us(),
+               step >= 0 ? "{\"step\":" + std::to_string(step) + "}" : "");
+  }
   publish(in_step_, open_);
   return current_;
 }

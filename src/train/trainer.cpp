@@ -24,6 +24,7 @@
 #include "loom/error.h"
 #include "loom/metrics/flops.h"
 #include "loom/metrics/logger.h"
+#include "loom/metrics/trace.h"
 #include "loom/optim/flat_optimizer.h"
 #include "loom/parallel/strategy.h"
 #include "loom/runtime.h"
@@ -99,6 +100,9 @@ ConfigSchema TrainOptions::schema() {
         "the optimizer step) or auto (background when a core is left over by the ranks' compute)");
   s.add("train.on_non_finite", "stop", "stop (error naming the parameter) or skip the step");
   s.add("train.log_every", d.log_every, "steps between metrics log lines (without a terminal)");
+  s.add("metrics.trace_steps", "",
+        "steps to trace into <run.dir>/traces (e.g. \"10-12\" or \"5,20\"; 0-based); "
+        "`loom trace RUN_DIR` merges the ranks for Perfetto");
   s.add("train.resume", d.resume, "resume from the newest committed checkpoint in <run.dir>/ckpt");
   s.add("train.resume_strict", d.resume_strict,
         "resuming, a saved tensor or blob the model does not have is an error (false: warn)");
@@ -146,6 +150,7 @@ TrainOptions TrainOptions::from(const Config& c) {
              "train.on_non_finite must be stop or skip, got '", non_finite, "'");
   o.on_non_finite = non_finite == "stop" ? NonFinite::kStop : NonFinite::kSkip;
   o.log_every = c.get<int64_t>("train.log_every");
+  o.trace_steps = metrics::parse_trace_steps(c.get<std::string>("metrics.trace_steps"));
   o.resume = c.get<bool>("train.resume");
   o.resume_strict = c.get<bool>("train.resume_strict");
   o.loss_scaling.enabled = c.get<bool>("train.loss_scaling");
@@ -520,7 +525,10 @@ struct Trainer::Impl {
       auto phase = timer.phase(Phase::kForwardBackward);
       for (int64_t m = 0; m < options.micro_batches; ++m) {
         strategy.set_sync(m + 1 == options.micro_batches);
+        std::optional<metrics::TraceSpan> forward(std::in_place, "train", "forward");
         MicroStep micro = loss_fn(micro_batch(batch, m, options.micro_batches));
+        forward.reset();
+        metrics::TraceSpan backward("train", "backward");
         if (options.loss_scaling.enabled) {
           (micro.loss * (loss_scale / static_cast<double>(options.micro_batches))).backward();
         } else {
@@ -612,8 +620,10 @@ struct Trainer::Impl {
     drop_newer_snapshots(step);
     result.start_step = step;
     metrics->on_resume(step);
+    metrics::StepTracer tracer(rt, options.trace_steps);
     if (callbacks.on_start) callbacks.on_start(step);
     while (step < options.steps) {
+      tracer.begin_step(step);
       const StepInfo info = run_step();
       ++step;
       result.last_loss = info.loss;

@@ -28,6 +28,9 @@ void register_flight(CLI::App& app, Action& action);
 // `loom top ADDRESS`: the live view of a job's metrics endpoint (top.cpp, top_view.cpp).
 void register_top(CLI::App& app, Action& action);
 
+// `loom trace RUN_DIR`: merge the ranks' traces into one Perfetto file (trace.cpp).
+void register_trace(CLI::App& app, Action& action);
+
 // `loom ckpt ls|verify|show`: list, verify and inspect checkpoints (ckpt.cpp).
 void register_ckpt(CLI::App& app, Action& action);
 

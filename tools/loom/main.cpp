@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
   loom::cli::register_flight(app, action);
   loom::cli::register_ckpt(app, action);
   loom::cli::register_top(app, action);
+  loom::cli::register_trace(app, action);
 
   try {
     app.parse(argc, argv);

@@ -11,12 +11,16 @@
 // Phases nest: time inside an inner phase counts for the inner phase only (exclusive time),
 // so a communication wait inside forward/backward is not counted twice.
 //
+// While a StepTracer records (loom/metrics/trace.h), each step and each phase is also a trace
+// span on the calling thread.
+//
 // Thread safety: one thread (the training loop) uses a StepTimer. Not copyable.
 #pragma once
 
 #include <array>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -90,6 +94,9 @@ class LOOM_API StepTimer {
   std::chrono::steady_clock::time_point step_start_;
   std::chrono::steady_clock::time_point mark_;
   std::vector<Phase> open_;  // nested phases, innermost last
+  // When each open phase and the step began on the trace clock; -1: not traced.
+  std::vector<int64_t> trace_start_us_;
+  int64_t trace_step_start_us_ = -1;
   StepTimes current_;
 };
 

@@ -94,7 +94,11 @@ struct LOOM_API TrainOptions {
   LossScaling loss_scaling;    // off by default; for fp16 parameters
   int64_t log_every = 10;      // a metrics log line every this many steps (without a TTY)
   double flops_per_token = 0;  // the model's training FLOPs per token, for MFU; 0 = no MFU
-  bool resume = true;          // resume from the newest committed checkpoint
+  // Steps traced to <run_dir>/traces/rank_<r>.json (metrics.trace_steps, e.g. "10-12";
+  // metrics::parse_trace_steps): phases, forward and backward, collectives, checkpoint work.
+  // `loom trace RUN_DIR` merges the ranks. Empty: none. Ranks must be processes (trace.h).
+  std::vector<int64_t> trace_steps;
+  bool resume = true;  // resume from the newest committed checkpoint
   // Resuming, a checkpoint tensor or blob the model, optimizer or trainer does not have (a
   // layer removed since the save) is an error naming it; false loads the rest and warns
   // with the list of what was dropped (PyTorch's strict=False).
