@@ -184,6 +184,7 @@ class Agent {
           .node_timeout = options.node_timeout,
           .worker_timeout = options.worker_timeout,
           .metrics_address = options.metrics_address,
+          .run_dir = options.run_dir,
           .straggler_threshold = options.straggler_threshold,
           .straggler_window = options.straggler_window,
           .hang_factor = options.hang_factor,
@@ -191,8 +192,8 @@ class Agent {
       address_ = coordinator_->address();
       say("coordinator listening on ", address_);
       if (!coordinator_->metrics_address().empty()) {
-        say("job metrics at http://", coordinator_->metrics_address(),
-            "/metrics (Prometheus) and /api/metrics (JSON; loom top ",
+        say("job dashboard at http://", coordinator_->metrics_address(),
+            "/ (metrics: /metrics for Prometheus, /api/metrics as JSON; loom top ",
             coordinator_->metrics_address(), ")");
       }
     } else {

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "control/auth.h"
+#include "control/dashboard.h"
 #include "control/membership.h"
 #include "control/step_report.h"
 #include "control/tls.h"
@@ -168,7 +169,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     monitor = std::thread([this] { monitor_loop(); });
   }
 
-  // The metrics endpoint: GET /metrics (Prometheus) and /api/metrics (JSON).
+  // The metrics endpoint: GET /metrics (Prometheus), and the dashboard's routes: / (the page),
+  // /api/metrics (JSON), /api/files and /files/... (control/dashboard.h).
   void start_http() {
     const std::string& where = options.metrics_address;
     const size_t colon = where.rfind(':');
@@ -199,10 +201,12 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
       res.set_content(job_metrics.prometheus(membership.status()),
                       "text/plain; version=0.0.4; charset=utf-8");
     });
-    http->Get("/api/metrics", [this](const httplib::Request&, httplib::Response& res) {
-      std::lock_guard<std::mutex> lock(mutex);
-      res.set_content(job_metrics.json(membership.status()), "application/json");
-    });
+    add_dashboard_routes(*http, {.metrics_json =
+                                     [this] {
+                                       std::lock_guard<std::mutex> lock(mutex);
+                                       return job_metrics.json(membership.status());
+                                     },
+                                 .run_dir = options.run_dir});
     std::string host = where.substr(0, colon);
     if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
     int port = 0;

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -99,6 +100,98 @@ Prometheus::Prometheus(std::vector<std::string> targets) : port_(free_port()) {
 Prometheus::~Prometheus() {
   process_->signal(SIGKILL);
   process_->wait();
+}
+
+bool Browser::available() {
+  return std::system("command -v chromium >/dev/null && command -v chromedriver >/dev/null") == 0;
+}
+
+Browser::Browser(int width, int height) : port_(free_port()) {
+  util::SubprocessOptions o;
+  o.argv = {"chromedriver", "--port=" + std::to_string(port_), "--allowed-ips=127.0.0.1"};
+  o.output = dir_.path() / "chromedriver.log";
+  driver_ = std::make_unique<util::Subprocess>(util::Subprocess::spawn(o));
+  wait_until_accepting(port_, "chromedriver", *o.output);
+  const nlohmann::json args = {
+      "--headless=new",
+      "--no-sandbox",  // the tests run as root
+      "--disable-gpu",
+      "--disable-dev-shm-usage",
+      "--hide-scrollbars",
+      "--user-data-dir=" + (dir_.path() / "profile").string(),
+      "--window-size=" + std::to_string(width) + "," + std::to_string(height)};
+  const nlohmann::json caps = {
+      {"capabilities",
+       {{"alwaysMatch",
+         {{"browserName", "chrome"},
+          {"goog:chromeOptions", {{"binary", "/usr/bin/chromium"}, {"args", args}}}}}}}};
+  const auto answer = nlohmann::json::parse(command("POST", "/session", caps.dump()));
+  session_ = answer.value("sessionId", "");
+  LOOM_CHECK(!session_.empty(), IoError, "chromedriver opened no session: ", answer.dump(),
+             "\nchromedriver's log:\n", util::read_file(*o.output));
+}
+
+Browser::~Browser() {
+  try {
+    if (!session_.empty()) command("DELETE", "/session/" + session_, "");
+  } catch (const std::exception&) {
+  }
+  driver_->signal(SIGKILL);
+  driver_->wait();
+}
+
+std::string Browser::command(const std::string& method, const std::string& path,
+                             const std::string& body) {
+  httplib::Client client("127.0.0.1", port_);
+  client.set_read_timeout(std::chrono::seconds(60));
+  const auto res = method == "POST"  ? client.Post(path, body, "application/json")
+                   : method == "GET" ? client.Get(path)
+                                     : client.Delete(path);
+  LOOM_CHECK(res, IoError, "WebDriver ", method, " ", path,
+             " failed: ", httplib::to_string(res.error()));
+  const auto answer = nlohmann::json::parse(res->body, nullptr, /*allow_exceptions=*/false);
+  LOOM_CHECK(res->status == 200 && answer.is_object() && answer.contains("value"), IoError,
+             "WebDriver ", method, " ", path, ": status ", res->status, ": ", res->body);
+  return answer["value"].dump();
+}
+
+void Browser::open(const std::string& url) {
+  command("POST", "/session/" + session_ + "/url", nlohmann::json{{"url", url}}.dump());
+}
+
+std::string Browser::run(const std::string& script) {
+  return command("POST", "/session/" + session_ + "/execute/sync",
+                 nlohmann::json{{"script", script}, {"args", nlohmann::json::array()}}.dump());
+}
+
+bool Browser::wait_for(const std::string& condition, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (run("return Boolean(" + condition + ");") == "true") return true;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void Browser::screenshot(const std::filesystem::path& png) {
+  const std::string base64 =
+      nlohmann::json::parse(command("GET", "/session/" + session_ + "/screenshot", ""));
+  std::filesystem::create_directories(png.parent_path());
+  std::string bytes;
+  uint32_t bits = 0;
+  int count = 0;
+  for (char c : base64) {
+    const char* alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const char* at = c == 0 ? nullptr : std::strchr(alphabet, c);
+    if (at == nullptr) continue;  // '=' padding
+    bits = (bits << 6) | static_cast<uint32_t>(at - alphabet);
+    count += 6;
+    if (count >= 8) {
+      count -= 8;
+      bytes.push_back(static_cast<char>((bits >> count) & 0xff));
+    }
+  }
+  util::write_file_atomic(png, bytes);
 }
 
 std::string Prometheus::url() const { return "http://127.0.0.1:" + std::to_string(port_); }

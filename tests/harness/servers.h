@@ -87,6 +87,37 @@ class Prometheus {
   std::unique_ptr<util::Subprocess> process_;
 };
 
+// Headless Chromium driven over WebDriver (Debian's chromium and chromium-driver): the tests
+// of web pages load them in a real browser, run script in the page to read its DOM, and save
+// screenshots. available() says whether both programs are installed.
+class Browser {
+ public:
+  static bool available();
+  // Starts chromedriver on loopback and opens a session with a window of width x height.
+  // Failure is IoError with chromedriver's log.
+  explicit Browser(int width = 1400, int height = 1800);
+  ~Browser();
+  Browser(const Browser&) = delete;
+  Browser& operator=(const Browser&) = delete;
+  // Navigates to `url` and waits for the page's load event.
+  void open(const std::string& url);
+  // Runs `script` (a function body; `return` gives the result) in the page; its result as JSON
+  // text. A script error is IoError with the browser's message.
+  std::string run(const std::string& script);
+  // Runs `condition` (an expression) every 100 ms until it is true or `timeout` passed;
+  // whether it became true.
+  bool wait_for(const std::string& condition, std::chrono::milliseconds timeout);
+  // Saves the viewport as a PNG.
+  void screenshot(const std::filesystem::path& png);
+
+ private:
+  std::string command(const std::string& method, const std::string& path, const std::string& body);
+  TempDir dir_{"loom-browser"};
+  int port_;
+  std::unique_ptr<util::Subprocess> driver_;
+  std::string session_;
+};
+
 // An HTTP server in this process serving the files of `root`, with ranges, where a fault
 // function decides what each request gets. Thread-safe; counts requests per path.
 class FaultyServer {

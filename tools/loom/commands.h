@@ -28,6 +28,9 @@ void register_flight(CLI::App& app, Action& action);
 // `loom top ADDRESS`: the live view of a job's metrics endpoint (top.cpp, top_view.cpp).
 void register_top(CLI::App& app, Action& action);
 
+// `loom dash RUN_DIR`: the job dashboard of a run directory (dash.cpp).
+void register_dash(CLI::App& app, Action& action);
+
 // `loom trace RUN_DIR`: merge the ranks' traces into one Perfetto file (trace.cpp).
 void register_trace(CLI::App& app, Action& action);
 

@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
   loom::cli::register_ckpt(app, action);
   loom::cli::register_top(app, action);
   loom::cli::register_trace(app, action);
+  loom::cli::register_dash(app, action);
 
   try {
     app.parse(argc, argv);

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -46,10 +47,12 @@ struct CoordinatorOptions {
   // dead or hung: its generation ends (as a failure).
   std::chrono::milliseconds worker_timeout = kDefaultWorkerTimeout;
   // Job-wide metrics over HTTP (docs/observability.md): host:port for `/metrics` (the
-  // Prometheus text format) and `/api/metrics` (JSON, for `loom top`); port 0 picks one;
-  // empty = no HTTP endpoint. Beyond loopback it needs allow_non_loopback and the token,
-  // which every request then carries as "Authorization: Bearer <token>".
+  // Prometheus text format), `/api/metrics` (JSON, for `loom top`) and `/`, the dashboard;
+  // port 0 picks one; empty = no HTTP endpoint. Beyond loopback it needs allow_non_loopback
+  // and the token, which every request then carries as "Authorization: Bearer <token>".
   std::string metrics_address;
+  // The run directory whose traces/ and flight/ the dashboard links; empty: none.
+  std::filesystem::path run_dir;
   // Points kept per rank: each worker heartbeat (about 1 Hz) with finished steps adds one.
   size_t metrics_history = 3600;
   // A rank is flagged as a straggler (logged, and in /metrics) while the median of its
