@@ -25,6 +25,7 @@
 #include "loom/parallel/mesh.h"
 #include "loom/version.h"
 #include "metrics/activity.h"
+#include "metrics/stacks.h"
 #include "util/files.h"
 #include "util/mix.h"
 
@@ -177,8 +178,17 @@ struct Runtime::Impl {
                        started ? "started" : "enqueued", static_cast<double>(now_us - since) / 1e6);
   }
 
-  // Writes the groups' flight recorders to <run_dir>/flight (a coordinator request).
+  // Writes the groups' flight recorders to <run_dir>/flight and every thread's stack to
+  // <run_dir>/stacks/rank_<r>.txt (a coordinator request: a failure or a hang).
   void dump_flight() {
+    try {
+      const auto file = run_dir / "stacks" / fmt::format("rank_{}.txt", topology.rank);
+      std::filesystem::create_directories(file.parent_path());
+      util::write_file_atomic(file, metrics::thread_stacks(), util::Durability::kAtomicOnly);
+      logger->info("thread stacks written to {} (coordinator request)", file.string());
+    } catch (const std::exception& e) {
+      logger->warn("could not write the thread stacks: {}", e.what());
+    }
     std::lock_guard<std::mutex> lock(mutex);
     for (const bool control : {false, true}) {
       const comm::Group* group = control ? control_group.get() : world_group.get();

@@ -26,22 +26,24 @@ bool plain(const std::string& name) {
 }
 
 // The files the dashboard links: *.json directly in traces/, and in flight/ and its
-// subdirectories (one level: flight/control/rank_0.json, flight/sub_0_1/rank_0.json).
+// subdirectories (one level: flight/control/rank_0.json, flight/sub_0_1/rank_0.json); *.txt
+// directly in stacks/.
 std::vector<std::pair<std::string, uintmax_t>> listed(const fs::path& run_dir,
                                                       const std::string& area) {
   std::vector<std::pair<std::string, uintmax_t>> out;
   if (run_dir.empty()) return out;
   std::error_code ec;
+  const std::string extension = area == "stacks" ? ".txt" : ".json";
   auto add_dir = [&](const fs::path& dir, const std::string& prefix, bool recurse) {
     for (const auto& entry : fs::directory_iterator(dir, ec)) {
       const std::string name = entry.path().filename().string();
       if (!plain(name)) continue;
-      if (entry.is_regular_file(ec) && entry.path().extension() == ".json") {
+      if (entry.is_regular_file(ec) && entry.path().extension() == extension) {
         out.emplace_back(prefix + name, entry.file_size(ec));
       } else if (recurse && entry.is_directory(ec)) {
         for (const auto& sub : fs::directory_iterator(entry.path(), ec)) {
           const std::string sub_name = sub.path().filename().string();
-          if (plain(sub_name) && sub.is_regular_file(ec) && sub.path().extension() == ".json") {
+          if (plain(sub_name) && sub.is_regular_file(ec) && sub.path().extension() == extension) {
             out.emplace_back(prefix + name + "/" + sub_name, sub.file_size(ec));
           }
         }
@@ -70,7 +72,7 @@ void add_dashboard_routes(httplib::Server& server, DashboardSource source) {
   });
   server.Get("/api/files", [shared](const httplib::Request&, httplib::Response& res) {
     nlohmann::json files = nlohmann::json::object();
-    for (const char* area : {"traces", "flight"}) {
+    for (const char* area : {"traces", "flight", "stacks"}) {
       nlohmann::json list = nlohmann::json::array();
       for (const auto& [path, bytes] : listed(shared->run_dir, area)) {
         list.push_back({{"path", path}, {"bytes", bytes}});
@@ -84,7 +86,7 @@ void add_dashboard_routes(httplib::Server& server, DashboardSource source) {
     const std::string wanted = req.matches[1];
     const std::string area = wanted.substr(0, wanted.find('/'));
     bool found = false;
-    if (area == "traces" || area == "flight") {
+    if (area == "traces" || area == "flight" || area == "stacks") {
       for (const auto& [path, bytes] : listed(shared->run_dir, area)) found |= path == wanted;
     }
     std::ifstream in(shared->run_dir / wanted, std::ios::binary);
@@ -95,7 +97,8 @@ void add_dashboard_routes(httplib::Server& server, DashboardSource source) {
     }
     std::ostringstream text;
     text << in.rdbuf();
-    res.set_content(text.str(), "application/json");
+    res.set_content(text.str(),
+                    area == "stacks" ? "text/plain; charset=utf-8" : "application/json");
     res.set_header("Content-Disposition",
                    "attachment; filename=\"" + wanted.substr(wanted.rfind('/') + 1) + "\"");
   });

@@ -19,12 +19,13 @@ struct DashboardSource {
   // The body of /api/metrics (JobMetrics::json's format); may throw loom::Error, which the
   // route answers with 503 and the message.
   std::function<std::string()> metrics_json;
-  // traces/ and flight/ below it are listed at /api/files and served at /files/...; empty:
-  // none.
+  // traces/, flight/ and stacks/ below it are listed at /api/files and served at
+  // /files/...; empty: none.
   std::filesystem::path run_dir;
 };
 
-// GET /: the page; /api/metrics; /api/files: {"traces": [...], "flight": [...]}, each entry
+// GET /: the page; /api/metrics; /api/files: {"traces": [...], "flight": [...], "stacks":
+// [...]}, each entry
 // {"path": "traces/job.json", "bytes": N}; /files/<path>: one of those files, and nothing else
 // (any other path is 404).
 void add_dashboard_routes(httplib::Server& server, DashboardSource source);

@@ -87,7 +87,7 @@ const char* dashboard_page() {
   <section><h2>Ranks</h2><table id="ranks"><thead><tr><th>rank</th><th>step</th><th>step s</th>
     <th>tokens/s</th><th>MFU</th><th>RSS MiB</th><th>now</th></tr></thead><tbody></tbody></table>
   </section>
-  <section><h2>Traces and flight dumps</h2><div id="files" class="muted">none</div></section>
+  <section><h2>Traces, flight dumps and stacks</h2><div id="files" class="muted">none</div></section>
 </main>
 <script>
 "use strict";
@@ -266,7 +266,7 @@ function render(m, files) {
     return tr;
   }));
 
-  const list = [...(files.traces || []), ...(files.flight || [])];
+  const list = [...(files.traces || []), ...(files.flight || []), ...(files.stacks || [])];
   const filesDiv = document.getElementById("files");
   if (list.length) {
     const ul = el("ul");
@@ -278,7 +278,7 @@ function render(m, files) {
     }
     filesDiv.replaceChildren(ul,
         el("div", {}, "Open a trace at ui.perfetto.dev; compare flight dumps with " +
-                      "`loom flight diff`."));
+                      "`loom flight diff`; stacks are each thread's at the watchdog's dump."));
   }
   document.body.dataset.ready = "1";
   return job.state === "gathering" || job.state === "running";

@@ -199,6 +199,21 @@ TEST(Observability, TheHangWatchdogNamesTheRankStuckInItsDataAndTheCollectiveThe
     return fs::exists(dir / "run" / "flight" / "rank_0.json") &&
            fs::exists(dir / "run" / "flight" / "rank_1.json");
   })) << job_output();
+  // Every rank wrote its threads' stacks beside: its named threads, the data-blocked rank's
+  // training thread asleep in its source's wait.
+  ASSERT_TRUE(eventually(std::chrono::seconds(30), [&] {
+    return fs::exists(dir / "run" / "stacks" / "rank_0.txt") &&
+           fs::exists(dir / "run" / "stacks" / "rank_1.txt");
+  })) << job_output();
+  for (int rank : {0, 1}) {
+    const std::string stacks =
+        util::read_file(dir / "run" / "stacks" / ("rank_" + std::to_string(rank) + ".txt"));
+    for (const char* thread : {"\"comm world\"", "\"comm control\"", "\"loom_train_prob\""}) {
+      EXPECT_TRUE(testing::contains(stacks, thread)) << rank << " " << thread << "\n" << stacks;
+    }
+    EXPECT_TRUE(testing::contains(stacks, "(this thread, taking the dump)")) << stacks;
+    if (rank == 1) std::cout << "rank 1's stacks:\n" << stacks.substr(0, 3000) << "\n";
+  }
   const auto diff = testing::run_program(
       {kLoom, "flight", "diff", (dir / "run" / "flight").string()}, dir.path());
   EXPECT_EQ(diff.exit_code, 1) << diff.output;
@@ -516,12 +531,13 @@ TEST(Observability, TheDashboardShowsARunningJobsRestartAndStragglerAndAFinished
   json rows = json::array();
   for (const json& s : saved["stragglers"]) rows.push_back({s["rank"], s["phase"]});
   EXPECT_EQ(after["stragglers"], rows);
-  // Every trace and flight dump of the run is linked, and nothing else.
+  // Every trace, flight dump and stack dump of the run is linked, and nothing else.
   std::vector<std::string> expected;
   for (const auto& entry : fs::recursive_directory_iterator(dir / "run")) {
     const std::string rel = fs::relative(entry.path(), dir / "run").string();
-    if (entry.path().extension() == ".json" &&
-        (rel.rfind("traces/", 0) == 0 || rel.rfind("flight/", 0) == 0)) {
+    if ((entry.path().extension() == ".json" &&
+         (rel.rfind("traces/", 0) == 0 || rel.rfind("flight/", 0) == 0)) ||
+        (entry.path().extension() == ".txt" && rel.rfind("stacks/", 0) == 0)) {
       expected.push_back(rel);
     }
   }
