@@ -54,15 +54,9 @@ int run_verify(const std::string& spec) {
 }
 
 struct ShowArgs {
-  std::string dir;
+  DataPosition at;
   int rank = 0;
-  int world = 1;
   uint64_t step = 0;
-  int64_t batch = 4;
-  int64_t seq_len = 64;
-  uint64_t seed = 0;
-  std::string sampling = "packed";
-  std::string epoch_end = "drop";
   bool ids = false;
   std::string color = "auto";
 };
@@ -159,30 +153,18 @@ void print_record_field(const data::Field& field, const data::Batch& batch, int6
 }
 
 int run_show(const ShowArgs& args) {
-  data::ReaderOptions options{
-      .batch_size = args.batch,
-      .seq_len = args.seq_len,
-      .sampling = args.sampling == "document" ? data::TokenSampling::kDocument
-                                              : data::TokenSampling::kPacked,
-      .seed = args.seed,
-      .rank = args.rank,
-      .world_size = args.world,
-      .epoch_end = args.epoch_end == "pad" ? data::EpochEnd::kPad : data::EpochEnd::kDropLast,
-      .prefetch = 0};
-  data::Reader reader(args.dir, options);
+  const std::unique_ptr<data::Reader> positioned = reader_at(args.at, args.rank, args.step);
+  data::Reader& reader = *positioned;
   const data::Manifest& m = reader.manifest();
   const uint64_t steps = reader.steps_per_epoch();
-  const uint64_t global_batch =
-      static_cast<uint64_t>(args.batch) * static_cast<uint64_t>(args.world);
-  reader.restore({m.version, args.seed, args.step / steps, args.step % steps * global_batch});
   const data::Batch batch = reader.next();
   const Style style{args.color == "always" || (args.color == "auto" && isatty(1))};
 
-  std::cout << style.bold("dataset " + args.dir) << " (version " << m.version << ", "
+  std::cout << style.bold("dataset " + args.at.dir) << " (version " << m.version << ", "
             << reader.num_samples() << " samples)\n"
-            << "rank " << args.rank << " of " << args.world << ", step " << args.step << " = epoch "
-            << batch.epoch << " step " << args.step % steps << " of " << steps << ", seed "
-            << args.seed << ", " << args.batch << " samples per rank\n";
+            << "rank " << args.rank << " of " << args.at.world << ", step " << args.step
+            << " = epoch " << batch.epoch << " step " << args.step % steps << " of " << steps
+            << ", seed " << args.at.seed << ", " << args.at.batch << " samples per rank\n";
   std::unique_ptr<data::Vocabulary> vocab;
   if (m.kind == data::DatasetKind::kTokens && !m.tokenizer.empty()) {
     vocab = std::make_unique<data::Vocabulary>(data::Vocabulary::of_dataset(reader.dataset().dir));
@@ -202,6 +184,45 @@ int run_show(const ShowArgs& args) {
 
 }  // namespace
 
+void add_position_options(CLI::App& s, DataPosition& p) {
+  s.add_option("--world", p.world, "ranks reading together")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  s.add_option("--batch", p.batch, "samples per rank per step")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  s.add_option("--seq-len", p.seq_len, "token datasets: T (a sample holds T + 1 tokens)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  s.add_option("--seed", p.seed, "the run's data seed")->capture_default_str();
+  s.add_option("--sampling", p.sampling, "token datasets: packed or document")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"packed", "document"}));
+  s.add_option("--epoch-end", p.epoch_end, "drop or pad")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"drop", "pad"}));
+}
+
+std::unique_ptr<data::Reader> reader_at(const DataPosition& p, int rank, uint64_t step) {
+  LOOM_CHECK(rank >= 0 && rank < p.world, InvalidArgument, "rank ", rank,
+             " is not a rank of a world of ", p.world, " (0 to ", p.world - 1, ")");
+  data::ReaderOptions options{
+      .batch_size = p.batch,
+      .seq_len = p.seq_len,
+      .sampling =
+          p.sampling == "document" ? data::TokenSampling::kDocument : data::TokenSampling::kPacked,
+      .seed = p.seed,
+      .rank = rank,
+      .world_size = p.world,
+      .epoch_end = p.epoch_end == "pad" ? data::EpochEnd::kPad : data::EpochEnd::kDropLast,
+      .prefetch = 0};
+  auto reader = std::make_unique<data::Reader>(p.dir, options);
+  const uint64_t steps = reader->steps_per_epoch();
+  const uint64_t global_batch = static_cast<uint64_t>(p.batch) * static_cast<uint64_t>(p.world);
+  reader->restore({reader->manifest().version, p.seed, step / steps, step % steps * global_batch});
+  return reader;
+}
+
 void register_data(CLI::App& app, Action& action) {
   CLI::App* data = app.add_subcommand("data", "Build, verify and look into datasets.");
   data->require_subcommand(1);
@@ -209,6 +230,7 @@ void register_data(CLI::App& app, Action& action) {
       "Formats and guarantees: docs/data-format.md; the sample order: docs/data-order.md.");
   register_data_build(*data, action);
   register_data_registry(*data, action);
+  register_data_serve(*data, action);
 
   auto verify_dir = std::make_shared<std::string>();
   CLI::App* verify = data->add_subcommand("verify", "Check every shard hash and record checksum.");
@@ -223,21 +245,11 @@ void register_data(CLI::App& app, Action& action) {
 
   auto show = std::make_shared<ShowArgs>();
   CLI::App* s = data->add_subcommand("show", "Print the samples a rank reads at a step, decoded.");
-  s->add_option("dataset", show->dir, "the dataset directory, URL or registry name")->required();
+  s->add_option("dataset", show->at.dir, "the dataset directory, URL or registry name")->required();
   s->add_option("--rank", show->rank, "the rank")->capture_default_str();
-  s->add_option("--world", show->world, "ranks reading together")->capture_default_str();
   s->add_option("--step", show->step, "the training step (counting from 0 over all epochs)")
       ->capture_default_str();
-  s->add_option("--batch", show->batch, "samples per rank per step")->capture_default_str();
-  s->add_option("--seq-len", show->seq_len, "token datasets: T (a sample holds T + 1 tokens)")
-      ->capture_default_str();
-  s->add_option("--seed", show->seed, "the run's data seed")->capture_default_str();
-  s->add_option("--sampling", show->sampling, "token datasets: packed or document")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"packed", "document"}));
-  s->add_option("--epoch-end", show->epoch_end, "drop or pad")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"drop", "pad"}));
+  add_position_options(*s, show->at);
   s->add_flag("--ids", show->ids, "also print token ids");
   s->add_option("--color", show->color, "auto, always or never")
       ->capture_default_str()

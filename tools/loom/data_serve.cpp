@@ -1,0 +1,421 @@
+// `loom data serve DATASET`: a web view of exactly what the model sees: the samples rank r
+// reads at step s of a run with the given reader options (the same position `loom data show`
+// prints), decoded: text with its token boundaries and ids, images drawn, labels named, other
+// fields as values. One page with its script inline (nothing fetched from elsewhere), read-only,
+// on loopback unless --public with a token.
+#include <httplib.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "data_commands.h"
+#include "loom/data/vocabulary.h"
+#include "loom/error.h"
+
+namespace loom::cli {
+namespace {
+
+using nlohmann::json;
+
+struct ServeArgs {
+  DataPosition at;
+  std::string address = "127.0.0.1:8471";
+  bool public_address = false;
+};
+
+volatile std::sig_atomic_t g_stop = 0;
+void on_stop_signal(int) { g_stop = 1; }
+
+const char* type_name(data::FieldType type) {
+  switch (type) {
+    case data::FieldType::kText:
+      return "text";
+    case data::FieldType::kBytes:
+      return "bytes";
+    case data::FieldType::kInt:
+      return "int";
+    case data::FieldType::kFloat:
+      return "float";
+    case data::FieldType::kTensor:
+      return "tensor";
+  }
+  return "?";
+}
+
+// A tensor field's value: dtype, shape and its first 65536 elements (all of an image).
+json tensor_json(const data::Field& field, const at::Tensor& t) {
+  const at::Tensor flat = t.flatten().to(at::kDouble).contiguous();
+  const int64_t n = std::min<int64_t>(flat.numel(), 65536);
+  std::vector<double> values(flat.data_ptr<double>(), flat.data_ptr<double>() + n);
+  return {{"dtype", field.dtype},
+          {"shape", t.sizes().vec()},
+          {"values", values},
+          {"truncated", n < flat.numel()},
+          {"image", t.dim() == 2 && t.scalar_type() == at::kByte}};
+}
+
+// The batch rank `rank` reads at `step`, as /api/batch answers it.
+json batch_json(const DataPosition& at, int rank, uint64_t step, const data::Vocabulary* vocab) {
+  const std::unique_ptr<data::Reader> reader = reader_at(at, rank, step);
+  const data::Manifest& m = reader->manifest();
+  const uint64_t steps = reader->steps_per_epoch();
+  const data::Batch batch = reader->next();
+  json samples = json::array();
+  for (int64_t r = 0; r < static_cast<int64_t>(batch.indices.size()); ++r) {
+    json sample = {{"row", r}, {"index", batch.indices[r]}, {"padding", r >= batch.num_real}};
+    if (m.kind == data::DatasetKind::kTokens) {
+      const at::Tensor row = batch["tokens"][r];
+      const at::Tensor mask = batch.tensors.count("mask") ? batch["mask"][r] : at::Tensor();
+      json tokens = json::array();
+      for (int64_t k = 0; k < row.size(0); ++k) {
+        if (mask.defined() && !mask[k].item<bool>()) break;
+        const int64_t id = row[k].item<int64_t>();
+        tokens.push_back(
+            {{"id", id},
+             {"text", vocab != nullptr ? vocab->text(static_cast<int>(id)) : std::to_string(id)}});
+      }
+      sample["tokens"] = std::move(tokens);
+    } else {
+      json fields = json::object();
+      for (const data::Field& field : m.schema) {
+        switch (field.type) {
+          case data::FieldType::kText:
+            fields[field.name] = {{"text", batch.strings.at(field.name)[r]}};
+            break;
+          case data::FieldType::kBytes:
+            fields[field.name] = {{"bytes", batch.strings.at(field.name)[r].size()}};
+            break;
+          case data::FieldType::kInt: {
+            const int64_t v = batch[field.name][r].item<int64_t>();
+            json value = {{"int", v}};
+            if (v >= 0 && v < static_cast<int64_t>(field.classes.size())) {
+              value["class"] = field.classes[static_cast<size_t>(v)];
+            }
+            fields[field.name] = std::move(value);
+            break;
+          }
+          case data::FieldType::kFloat:
+            fields[field.name] = {{"float", batch[field.name][r].item<double>()}};
+            break;
+          case data::FieldType::kTensor:
+            fields[field.name] = tensor_json(field, batch[field.name][r]);
+            break;
+        }
+      }
+      sample["fields"] = std::move(fields);
+    }
+    samples.push_back(std::move(sample));
+  }
+  return {{"rank", rank},
+          {"step", step},
+          {"epoch", batch.epoch},
+          {"epoch_step", step % steps},
+          {"steps_per_epoch", steps},
+          {"samples", std::move(samples)}};
+}
+
+json dataset_json(const DataPosition& at) {
+  const std::unique_ptr<data::Reader> reader = reader_at(at, 0, 0);
+  const data::Manifest& m = reader->manifest();
+  json schema = json::array();
+  for (const data::Field& f : m.schema) {
+    schema.push_back({{"name", f.name},
+                      {"type", type_name(f.type)},
+                      {"dtype", f.dtype},
+                      {"shape", f.shape},
+                      {"classes", f.classes}});
+  }
+  return {{"dataset", at.dir},
+          {"version", m.version},
+          {"kind", m.kind == data::DatasetKind::kTokens ? "tokens" : "records"},
+          {"samples", reader->num_samples()},
+          {"steps_per_epoch", reader->steps_per_epoch()},
+          {"world", at.world},
+          {"batch", at.batch},
+          {"seq_len", at.seq_len},
+          {"seed", at.seed},
+          {"sampling", at.sampling},
+          {"epoch_end", at.epoch_end},
+          {"tokenizer", !m.tokenizer.empty()},
+          {"schema", std::move(schema)}};
+}
+
+// A query parameter as a non-negative integer; InvalidArgument naming it otherwise.
+uint64_t number_param(const httplib::Request& req, const char* name) {
+  const std::string text = req.has_param(name) ? req.get_param_value(name) : "0";
+  size_t used = 0;
+  unsigned long long value = 0;
+  try {
+    value = std::stoull(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  LOOM_CHECK(used == text.size() && !text.empty() && text[0] != '-' && text[0] != '+',
+             InvalidArgument, "the parameter ", name, " must be a non-negative integer, got '",
+             text, "'");
+  return value;
+}
+
+const char* page();
+
+int run_serve(const ServeArgs& args) {
+  try {
+    const DataPosition at = args.at;
+    // Opening it once checks the dataset and the options before the server starts.
+    const json dataset = dataset_json(at);
+    std::shared_ptr<data::Vocabulary> vocab;
+    {
+      const std::unique_ptr<data::Reader> reader = reader_at(at, 0, 0);
+      if (!reader->manifest().tokenizer.empty()) {
+        vocab =
+            std::make_shared<data::Vocabulary>(data::Vocabulary::of_dataset(reader->dataset().dir));
+      }
+    }
+    const size_t colon = args.address.rfind(':');
+    LOOM_CHECK(colon != std::string::npos && colon > 0, InvalidArgument,
+               "--address must be host:port, got '", args.address, "'");
+    std::string host = args.address.substr(0, colon);
+    int port = -1;
+    try {
+      port = std::stoi(args.address.substr(colon + 1));
+    } catch (const std::exception&) {
+    }
+    LOOM_CHECK(port >= 0 && port <= 65535, InvalidArgument,
+               "--address must be host:port with a port in [0, 65535], got '", args.address, "'");
+    const bool loopback =
+        host == "127.0.0.1" || host == "localhost" || host == "::1" || host == "[::1]";
+    const char* token = std::getenv("LOOM_JOB_TOKEN");
+    if (!loopback) {
+      LOOM_CHECK(args.public_address && token != nullptr && *token != 0, InvalidArgument,
+                 "the data viewer would listen on ", args.address,
+                 ", beyond loopback: that needs --public and a token in LOOM_JOB_TOKEN, which "
+                 "the browser then sends as 'Authorization: Bearer <token>'");
+    }
+    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+
+    httplib::Server server;
+    if (!loopback) {
+      const std::string expected = std::string("Bearer ") + token;
+      server.set_pre_routing_handler(
+          [expected](const httplib::Request& req, httplib::Response& res) {
+            if (req.get_header_value("Authorization") == expected) {
+              return httplib::Server::HandlerResponse::Unhandled;
+            }
+            res.status = 401;
+            res.set_content("wrong or missing token (Authorization: Bearer <LOOM_JOB_TOKEN>)\n",
+                            "text/plain");
+            return httplib::Server::HandlerResponse::Handled;
+          });
+    }
+    server.Get("/", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content(page(), "text/html; charset=utf-8");
+    });
+    server.Get("/api/dataset", [dataset](const httplib::Request&, httplib::Response& res) {
+      res.set_content(dataset.dump(), "application/json");
+    });
+    server.Get("/api/batch", [at, vocab](const httplib::Request& req, httplib::Response& res) {
+      try {
+        const uint64_t rank = number_param(req, "rank");
+        const uint64_t step = number_param(req, "step");
+        LOOM_CHECK(rank < static_cast<uint64_t>(at.world), InvalidArgument, "rank ", rank,
+                   " is not a rank of a world of ", at.world);
+        res.set_content(batch_json(at, static_cast<int>(rank), step, vocab.get()).dump(),
+                        "application/json");
+      } catch (const InvalidArgument& e) {
+        res.status = 400;
+        res.set_content(std::string(e.what()) + "\n", "text/plain");
+      } catch (const Error& e) {
+        res.status = 500;
+        res.set_content(std::string(e.what()) + "\n", "text/plain");
+      }
+    });
+    const int bound =
+        port == 0 ? server.bind_to_any_port(host) : (server.bind_to_port(host, port) ? port : -1);
+    LOOM_CHECK(bound > 0, IoError, "cannot listen on ", args.address,
+               " (address in use or not local?)");
+    std::signal(SIGINT, on_stop_signal);
+    std::signal(SIGTERM, on_stop_signal);
+    std::thread stopper([&server] {
+      while (g_stop == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      server.stop();
+    });
+    std::cout << "samples of " << at.dir << " at http://" << args.address.substr(0, colon + 1)
+              << bound << "/ (Ctrl-C stops it)" << std::endl;
+    server.listen_after_bind();
+    stopper.join();
+    return kExitOk;
+  } catch (const Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return kExitBadInput;
+  }
+}
+
+const char* page() {
+  return R"PAGE(<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>Loom data</title>
+<style>
+  body { font: 14px/1.5 system-ui, sans-serif; margin: 0; color: #1d2330; background: #f6f7f9; }
+  header { background: #1d2330; color: #fff; padding: 10px 20px; }
+  header h1 { font-size: 17px; margin: 0; display: inline; }
+  header .muted { color: #aab1c0; margin-left: 16px; }
+  nav { padding: 10px 20px; display: flex; gap: 10px; align-items: center; flex-wrap: wrap;
+        background: #fff; border-bottom: 1px solid #e3e6ec; }
+  nav input { width: 90px; }
+  main { padding: 12px 20px; }
+  .sample { background: #fff; border: 1px solid #e3e6ec; border-radius: 6px; padding: 10px 12px;
+            margin-bottom: 10px; }
+  .sample h3 { font-size: 13px; margin: 0 0 6px; color: #6b7385; font-weight: 600; }
+  .sample.padding { opacity: 0.5; }
+  .tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; word-break: break-all; }
+  .tok { border-radius: 2px; }
+  .tok:nth-child(odd) { background: #e7efff; }
+  .tok:nth-child(even) { background: #fff2d6; }
+  .tok:hover { outline: 1px solid #2563c9; }
+  .tokens.ids .tok { margin-right: 3px; padding: 0 2px; }
+  table.fields td { padding: 2px 10px 2px 0; vertical-align: top; }
+  table.fields td:first-child { color: #6b7385; }
+  canvas.image { image-rendering: pixelated; border: 1px solid #e3e6ec; }
+  .error { color: #c0392b; font-weight: 600; }
+  .muted { color: #6b7385; }
+</style>
+</head>
+<body>
+<header><h1>Loom data</h1><span class="muted" id="dataset"></span></header>
+<nav>
+  <label>rank <select id="rank"></select></label>
+  <label>step <input id="step" type="number" min="0" value="0"></label>
+  <button id="prev">&larr; step</button><button id="next">step &rarr;</button>
+  <span class="muted" id="where"></span>
+</nav>
+<main id="samples"></main>
+<script>
+"use strict";
+const $ = id => document.getElementById(id);
+const el = (tag, attrs, text) => {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+};
+let info = null;
+
+function field(name, value) {
+  const tr = el("tr");
+  tr.append(el("td", {}, name));
+  const td = el("td", {"data-field": name});
+  if ("text" in value) td.textContent = JSON.stringify(value.text);
+  else if ("bytes" in value) td.textContent = `${value.bytes} bytes`;
+  else if ("int" in value) td.textContent = value.int + (value.class ? ` (${value.class})` : "");
+  else if ("float" in value) td.textContent = String(value.float);
+  else if (value.image) {
+    const [h, w] = value.shape;
+    const canvas = el("canvas", {class: "image", width: w, height: h});
+    canvas.style.width = `${w * Math.max(2, Math.floor(112 / Math.max(w, h)))}px`;
+    const ctx = canvas.getContext("2d");
+    const img = ctx.createImageData(w, h);
+    value.values.forEach((v, i) => { img.data.set([v, v, v, 255], 4 * i); });
+    ctx.putImageData(img, 0, 0);
+    td.append(canvas, el("span", {class: "muted"}, ` ${value.dtype} [${value.shape}]`));
+  } else {
+    td.textContent = `${value.dtype} [${value.shape}] ` + value.values.slice(0, 32).join(" ") +
+                     (value.values.length > 32 || value.truncated ? " …" : "");
+  }
+  tr.append(td);
+  return tr;
+}
+
+async function show() {
+  const rank = Number($("rank").value), step = Math.max(0, Number($("step").value) || 0);
+  document.body.dataset.ready = "0";
+  history.replaceState(null, "", `?rank=${rank}&step=${step}`);
+  const res = await fetch(`api/batch?rank=${rank}&step=${step}`);
+  const box = $("samples");
+  if (!res.ok) {
+    box.replaceChildren(el("div", {class: "error"}, await res.text()));
+    document.body.dataset.ready = "1";
+    return;
+  }
+  const b = await res.json();
+  $("where").textContent = `rank ${b.rank} of ${info.world}, step ${b.step} = epoch ${b.epoch} ` +
+      `step ${b.epoch_step} of ${b.steps_per_epoch}; seed ${info.seed}, ${info.batch} per rank`;
+  box.replaceChildren(...b.samples.map(s => {
+    const div = el("div", {class: "sample" + (s.padding ? " padding" : ""), "data-index": s.index,
+                           "data-row": s.row});
+    div.append(el("h3", {}, `sample ${s.row}: dataset index ${s.index}` +
+                            (s.padding ? " (padding: masked out)" : "")));
+    if (s.tokens) {
+      // Without a vocabulary a token is its id: spaced apart.
+      const p = el("div", {class: info.tokenizer ? "tokens" : "tokens ids"});
+      for (const t of s.tokens) p.append(el("span", {class: "tok", "data-id": t.id,
+                                                     title: `id ${t.id}`}, t.text));
+      div.append(p);
+    } else {
+      const table = el("table", {class: "fields"});
+      for (const [name, value] of Object.entries(s.fields)) table.append(field(name, value));
+      div.append(table);
+    }
+    return div;
+  }));
+  document.body.dataset.ready = "1";
+}
+
+async function start() {
+  info = await (await fetch("api/dataset")).json();
+  $("dataset").textContent = `${info.dataset} · ${info.kind} · ${info.samples} samples · ` +
+                             `version ${info.version}`;
+  for (let r = 0; r < info.world; ++r) $("rank").append(el("option", {value: r}, String(r)));
+  const q = new URLSearchParams(location.search);
+  $("rank").value = q.get("rank") || "0";
+  $("step").value = q.get("step") || "0";
+  $("rank").onchange = show;
+  $("step").onchange = show;
+  $("prev").onclick = () => { $("step").value = Math.max(0, Number($("step").value) - 1); show(); };
+  $("next").onclick = () => { $("step").value = Number($("step").value) + 1; show(); };
+  document.addEventListener("keydown", e => {
+    if (e.target.tagName === "INPUT") return;
+    if (e.key === "ArrowRight") $("next").click();
+    if (e.key === "ArrowLeft") $("prev").click();
+  });
+  show();
+}
+start();
+</script>
+</body>
+</html>
+)PAGE";
+}
+
+}  // namespace
+
+void register_data_serve(CLI::App& data, Action& action) {
+  auto args = std::make_shared<ServeArgs>();
+  CLI::App* s = data.add_subcommand(
+      "serve", "Browse the samples each rank reads at each step, in a web browser.");
+  s->add_option("dataset", args->at.dir, "the dataset directory, URL or registry name")->required();
+  add_position_options(*s, args->at);
+  s->add_option("--address", args->address, "host:port to listen on (port 0: any free port)")
+      ->capture_default_str();
+  s->add_flag("--public", args->public_address,
+              "allow an address beyond loopback; requests must then carry the token in "
+              "LOOM_JOB_TOKEN as 'Authorization: Bearer <token>'");
+  s->footer(
+      "With your run's reader options, the page shows exactly the samples the model sees on\n"
+      "each rank at each step (the same as `loom data show`): text with token boundaries and\n"
+      "ids on hover, images drawn, labels named. Pick the rank and step, or use the arrow\n"
+      "keys. Read-only; nothing but the dataset's samples is served.\n\n"
+      "Example: loom data serve data/kjv --world 2 --batch 8 --seq-len 64   then open\n"
+      "http://127.0.0.1:8471/?rank=1&step=100");
+  s->callback([args, &action] { action = [args] { return run_serve(*args); }; });
+}
+
+}  // namespace loom::cli
