@@ -7,15 +7,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include <chrono>
-#include <csignal>
-#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "data_commands.h"
+#include "http_serve.h"
 #include "loom/data/vocabulary.h"
 #include "loom/error.h"
 
@@ -29,9 +26,6 @@ struct ServeArgs {
   std::string address = "127.0.0.1:8471";
   bool public_address = false;
 };
-
-volatile std::sig_atomic_t g_stop = 0;
-void on_stop_signal(int) { g_stop = 1; }
 
 const char* type_name(data::FieldType type) {
   switch (type) {
@@ -178,42 +172,7 @@ int run_serve(const ServeArgs& args) {
             std::make_shared<data::Vocabulary>(data::Vocabulary::of_dataset(reader->dataset().dir));
       }
     }
-    const size_t colon = args.address.rfind(':');
-    LOOM_CHECK(colon != std::string::npos && colon > 0, InvalidArgument,
-               "--address must be host:port, got '", args.address, "'");
-    std::string host = args.address.substr(0, colon);
-    int port = -1;
-    try {
-      port = std::stoi(args.address.substr(colon + 1));
-    } catch (const std::exception&) {
-    }
-    LOOM_CHECK(port >= 0 && port <= 65535, InvalidArgument,
-               "--address must be host:port with a port in [0, 65535], got '", args.address, "'");
-    const bool loopback =
-        host == "127.0.0.1" || host == "localhost" || host == "::1" || host == "[::1]";
-    const char* token = std::getenv("LOOM_JOB_TOKEN");
-    if (!loopback) {
-      LOOM_CHECK(args.public_address && token != nullptr && *token != 0, InvalidArgument,
-                 "the data viewer would listen on ", args.address,
-                 ", beyond loopback: that needs --public and a token in LOOM_JOB_TOKEN, which "
-                 "the browser then sends as 'Authorization: Bearer <token>'");
-    }
-    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-
     httplib::Server server;
-    if (!loopback) {
-      const std::string expected = std::string("Bearer ") + token;
-      server.set_pre_routing_handler(
-          [expected](const httplib::Request& req, httplib::Response& res) {
-            if (req.get_header_value("Authorization") == expected) {
-              return httplib::Server::HandlerResponse::Unhandled;
-            }
-            res.status = 401;
-            res.set_content("wrong or missing token (Authorization: Bearer <LOOM_JOB_TOKEN>)\n",
-                            "text/plain");
-            return httplib::Server::HandlerResponse::Handled;
-          });
-    }
     server.Get("/", [](const httplib::Request&, httplib::Response& res) {
       res.set_content(page(), "text/html; charset=utf-8");
     });
@@ -236,20 +195,8 @@ int run_serve(const ServeArgs& args) {
         res.set_content(std::string(e.what()) + "\n", "text/plain");
       }
     });
-    const int bound =
-        port == 0 ? server.bind_to_any_port(host) : (server.bind_to_port(host, port) ? port : -1);
-    LOOM_CHECK(bound > 0, IoError, "cannot listen on ", args.address,
-               " (address in use or not local?)");
-    std::signal(SIGINT, on_stop_signal);
-    std::signal(SIGTERM, on_stop_signal);
-    std::thread stopper([&server] {
-      while (g_stop == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      server.stop();
-    });
-    std::cout << "samples of " << at.dir << " at http://" << args.address.substr(0, colon + 1)
-              << bound << "/ (Ctrl-C stops it)" << std::endl;
-    server.listen_after_bind();
-    stopper.join();
+    serve_until_stopped(server, args.address, args.public_address, "the data viewer",
+                        "samples of " + at.dir);
     return kExitOk;
   } catch (const Error& e) {
     std::cerr << "error: " << e.what() << "\n";
