@@ -19,6 +19,7 @@ packages=(
   nginx-light           # the remote-dataset tests serve shards with it on loopback
   prometheus            # the observability test has it scrape a job's /metrics; promtool
   chromium chromium-driver  # the dashboard tests load it in headless Chromium over WebDriver
+  tmux                      # the interactive `loom data show` is tested in a tmux pane
   bible-kjv bible-kjv-text dataset-fashion-mnist
   python3-torch python3-numpy
   openssl  # the TLS tests make their certificates with it

@@ -3,14 +3,19 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+#include <chrono>
 #include <fstream>
 #include <limits>
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
+#include <tuple>
 
 #include "harness/harness.h"
 #include "harness/servers.h"
+#include "loom/data/dataset.h"
 #include "loom/data/reader.h"
 #include "loom/data/registry.h"
 #include "loom/data/vocabulary.h"
@@ -530,6 +535,115 @@ TEST(DataCli, MigrateKeepsFormat1DatasetsReadingTheSame) {
               dir.path());
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(read_manifest(dir / "rebuilt").version, "f9b2ba64c56eac6c");
+}
+
+// A tmux server of its own: a session running `argv` in a 200 x 50 pane.
+class Tmux {
+ public:
+  explicit Tmux(const std::vector<std::string>& argv)
+      : socket_("loom-test-" + std::to_string(::getpid()) + "-" + std::to_string(next_++)) {
+    std::string command;
+    for (const std::string& a : argv) command += (command.empty() ? "" : " ") + a;
+    run({"new-session", "-d", "-s", "main", "-x", "200", "-y", "50", command});
+  }
+  ~Tmux() { run({"kill-server"}, /*check=*/false); }  // gone already after q
+  std::string capture() { return run({"capture-pane", "-p", "-t", "main"}); }
+  void keys(const std::vector<std::string>& keys) {
+    std::vector<std::string> args = {"send-keys", "-t", "main"};
+    args.insert(args.end(), keys.begin(), keys.end());
+    run(args);
+  }
+  bool alive() { return run({"has-session", "-t", "main"}, /*check=*/false) == "ok"; }
+
+ private:
+  std::string run(std::vector<std::string> args, bool check = true) {
+    args.insert(args.begin(), {"tmux", "-L", socket_});
+    TempDir scratch;
+    const ProgramResult r = testing::run_program(args, scratch.path());
+    if (!check) return r.exit_code == 0 ? "ok" : "no";
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output;
+  }
+  static inline int next_ = 0;
+  std::string socket_;
+};
+
+// The lines of `text` up to (not including) the first empty line.
+std::string first_block(const std::string& text) {
+  const size_t end = text.find("\n\n");
+  return text.substr(0, end == std::string::npos ? text.size() : end + 1);
+}
+
+TEST(DataCli, InteractiveShowStepsThroughStepsAndRanksInTmux) {
+  if (std::system("command -v tmux >/dev/null") != 0) GTEST_SKIP() << "needs tmux";
+  TempDir dir;
+  const fs::path ds = dir / "tokens";
+  {
+    TokenDatasetWriter writer(ds, {.vocab_size = 300});
+    for (int d = 0; d < 30; ++d) {
+      std::vector<uint32_t> doc(40);
+      for (size_t i = 0; i < doc.size(); ++i)
+        doc[i] = static_cast<uint32_t>((d * 41 + i * 7) % 300);
+      writer.add_document(doc);
+    }
+    writer.finish();
+  }
+  const std::vector<std::string> position = {"--world", "2",      "--batch", "2",       "--seq-len",
+                                             "9",       "--seed", "4",       "--color", "never"};
+  std::vector<std::string> argv = {LOOM_BINARY_DIR "/tools/loom/loom", "data", "show", ds.string(),
+                                   "--interactive"};
+  argv.insert(argv.end(), position.begin(), position.end());
+  Tmux tmux(argv);
+  // After each key, the pane shows exactly what `loom data show` prints for that rank and
+  // step, and the dataset indices the Reader yields there.
+  const std::vector<std::tuple<std::vector<std::string>, int, uint64_t>> script = {
+      {{}, 0, 0},       {{"Right"}, 0, 1}, {{"n", "n"}, 0, 3},
+      {{"Down"}, 1, 3}, {{"Left"}, 1, 2},  {{"g", "1", "7", "Enter"}, 1, 17},
+      {{"k"}, 0, 17},   {{"Up"}, 0, 17}};
+  for (const auto& [keys, rank, step] : script) {
+    if (!keys.empty()) tmux.keys(keys);
+    std::vector<std::string> show = {"data",
+                                     "show",
+                                     ds.string(),
+                                     "--rank",
+                                     std::to_string(rank),
+                                     "--step",
+                                     std::to_string(step)};
+    show.insert(show.end(), position.begin(), position.end());
+    const ProgramResult expected = loom(show, dir);
+    ASSERT_EQ(expected.exit_code, 0) << expected.output;
+    std::string pane;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    while ((pane = first_block(tmux.capture())) != expected.output &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_EQ(pane, expected.output) << "rank " << rank << " step " << step;
+    Reader reader(
+        ds,
+        {.batch_size = 2, .seq_len = 9, .seed = 4, .rank = rank, .world_size = 2, .prefetch = 0});
+    const uint64_t steps = reader.steps_per_epoch();
+    reader.restore({reader.manifest().version, 4, step / steps, step % steps * 4});
+    const Batch batch = reader.next();
+    for (size_t r = 0; r < batch.indices.size(); ++r) {
+      EXPECT_TRUE(contains(pane, "sample " + std::to_string(r) + ": dataset index " +
+                                     std::to_string(batch.indices[r]) + "\n"))
+          << pane;
+    }
+  }
+  EXPECT_TRUE(contains(tmux.capture(), "rank 0/2 step 17  ")) << "the status line";
+  tmux.keys({"q"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (tmux.alive() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_FALSE(tmux.alive()) << "q quits";
+
+  // Without a terminal it says what to do instead.
+  std::vector<std::string> piped = {"data", "show", ds.string(), "--interactive"};
+  const ProgramResult no_tty = loom(piped, dir);
+  EXPECT_EQ(no_tty.exit_code, 2) << no_tty.output;
+  EXPECT_TRUE(contains(no_tty.output, "--interactive needs a terminal")) << no_tty.output;
 }
 
 }  // namespace

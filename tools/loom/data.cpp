@@ -1,9 +1,12 @@
 // `loom data verify|show` and the `data` command itself (build lives in data_build.cpp).
 #include <ATen/ATen.h>
+#include <termios.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 
 #include "data_commands.h"
@@ -59,6 +62,7 @@ struct ShowArgs {
   uint64_t step = 0;
   bool ids = false;
   std::string color = "auto";
+  bool interactive = false;
 };
 
 // Terminal styling: ANSI colours or plain text.
@@ -72,27 +76,26 @@ struct Style {
 
 // A [H, W] uint8 image as terminal art: half blocks in 24 grays, or an ASCII ramp two rows per
 // line.
-void print_image(const at::Tensor& image, const Style& style) {
+void print_image(std::ostream& out, const at::Tensor& image, const Style& style) {
   const auto a = image.accessor<uint8_t, 2>();
   const int64_t h = image.size(0), w = image.size(1);
   const char* ramp = " .:-=+*#%@";
   for (int64_t y = 0; y < h; y += 2) {
-    std::cout << "    ";
+    out << "    ";
     for (int64_t x = 0; x < w; ++x) {
       const int top = a[y][x], bottom = y + 1 < h ? a[y + 1][x] : 0;
       if (style.color) {
-        std::cout << style.fg(232 + top * 23 / 255) << style.bg(232 + bottom * 23 / 255)
-                  << "\u2580";
+        out << style.fg(232 + top * 23 / 255) << style.bg(232 + bottom * 23 / 255) << "\u2580";
       } else {
-        std::cout << ramp[(top + bottom) / 2 * 9 / 255];
+        out << ramp[(top + bottom) / 2 * 9 / 255];
       }
     }
-    std::cout << style.reset() << "\n";
+    out << style.reset() << "\n";
   }
 }
 
-void print_tokens(const at::Tensor& row, const at::Tensor& mask, const data::Vocabulary* vocab,
-                  const Style& style, bool ids) {
+void print_tokens(std::ostream& out, const at::Tensor& row, const at::Tensor& mask,
+                  const data::Vocabulary* vocab, const Style& style, bool ids) {
   std::string line = "    ";
   for (int64_t k = 0; k < row.size(0); ++k) {
     if (mask.defined() && !mask[k].item<bool>()) break;
@@ -104,81 +107,190 @@ void print_tokens(const at::Tensor& row, const at::Tensor& mask, const data::Voc
       line += (k ? "|" : "") + piece;
     }
   }
-  std::cout << line << "\n";
+  out << line << "\n";
   if (ids) {
-    std::cout << "    ids:";
-    for (int64_t k = 0; k < row.size(0); ++k) std::cout << " " << row[k].item<int64_t>();
-    std::cout << "\n";
+    out << "    ids:";
+    for (int64_t k = 0; k < row.size(0); ++k) out << " " << row[k].item<int64_t>();
+    out << "\n";
   }
 }
 
-void print_record_field(const data::Field& field, const data::Batch& batch, int64_t r,
-                        const Style& style) {
-  std::cout << "  " << field.name << ": ";
+void print_record_field(std::ostream& out, const data::Field& field, const data::Batch& batch,
+                        int64_t r, const Style& style) {
+  out << "  " << field.name << ": ";
   switch (field.type) {
     case data::FieldType::kText:
-      std::cout << '"' << batch.strings.at(field.name)[r] << "\"\n";
+      out << '"' << batch.strings.at(field.name)[r] << "\"\n";
       return;
     case data::FieldType::kBytes: {
       const std::string& b = batch.strings.at(field.name)[r];
-      std::cout << b.size() << " bytes\n";
+      out << b.size() << " bytes\n";
       return;
     }
     case data::FieldType::kInt: {
       const int64_t v = batch[field.name][r].item<int64_t>();
-      std::cout << v;
+      out << v;
       if (v >= 0 && v < static_cast<int64_t>(field.classes.size()))
-        std::cout << " (" << field.classes[v] << ")";
-      std::cout << "\n";
+        out << " (" << field.classes[v] << ")";
+      out << "\n";
       return;
     }
     case data::FieldType::kFloat:
-      std::cout << batch[field.name][r].item<double>() << "\n";
+      out << batch[field.name][r].item<double>() << "\n";
       return;
     case data::FieldType::kTensor: {
       const at::Tensor t = batch[field.name][r];
-      std::cout << field.dtype << " " << t.sizes() << "\n";
+      out << field.dtype << " " << t.sizes() << "\n";
       if (t.dim() == 2 && t.scalar_type() == at::kByte) {
-        print_image(t, style);
+        print_image(out, t, style);
       } else {
         const at::Tensor flat = t.flatten().to(at::kDouble);
-        std::cout << "    ";
+        out << "    ";
         for (int64_t k = 0; k < std::min<int64_t>(16, flat.numel()); ++k)
-          std::cout << flat[k].item<double>() << " ";
-        std::cout << (flat.numel() > 16 ? "..." : "") << "\n";
+          out << flat[k].item<double>() << " ";
+        out << (flat.numel() > 16 ? "..." : "") << "\n";
       }
       return;
     }
   }
 }
 
-int run_show(const ShowArgs& args) {
-  const std::unique_ptr<data::Reader> positioned = reader_at(args.at, args.rank, args.step);
+// The samples rank `rank` reads at `step`, as `loom data show` prints them.
+void print_show(std::ostream& out, const ShowArgs& args, int rank, uint64_t step,
+                const Style& style) {
+  const std::unique_ptr<data::Reader> positioned = reader_at(args.at, rank, step);
   data::Reader& reader = *positioned;
   const data::Manifest& m = reader.manifest();
   const uint64_t steps = reader.steps_per_epoch();
   const data::Batch batch = reader.next();
-  const Style style{args.color == "always" || (args.color == "auto" && isatty(1))};
-
-  std::cout << style.bold("dataset " + args.at.dir) << " (version " << m.version << ", "
-            << reader.num_samples() << " samples)\n"
-            << "rank " << args.rank << " of " << args.at.world << ", step " << args.step
-            << " = epoch " << batch.epoch << " step " << args.step % steps << " of " << steps
-            << ", seed " << args.at.seed << ", " << args.at.batch << " samples per rank\n";
+  out << style.bold("dataset " + args.at.dir) << " (version " << m.version << ", "
+      << reader.num_samples() << " samples)\n"
+      << "rank " << rank << " of " << args.at.world << ", step " << step << " = epoch "
+      << batch.epoch << " step " << step % steps << " of " << steps << ", seed " << args.at.seed
+      << ", " << args.at.batch << " samples per rank\n";
   std::unique_ptr<data::Vocabulary> vocab;
   if (m.kind == data::DatasetKind::kTokens && !m.tokenizer.empty()) {
     vocab = std::make_unique<data::Vocabulary>(data::Vocabulary::of_dataset(reader.dataset().dir));
   }
   for (int64_t r = 0; r < static_cast<int64_t>(batch.indices.size()); ++r) {
-    std::cout << style.bold("sample " + std::to_string(r)) << ": dataset index " << batch.indices[r]
-              << (r >= batch.num_real ? " (padding: masked out)" : "") << "\n";
+    out << style.bold("sample " + std::to_string(r)) << ": dataset index " << batch.indices[r]
+        << (r >= batch.num_real ? " (padding: masked out)" : "") << "\n";
     if (m.kind == data::DatasetKind::kTokens) {
       const auto mask = batch.tensors.count("mask") ? batch["mask"][r] : at::Tensor();
-      print_tokens(batch["tokens"][r], mask, vocab.get(), style, args.ids);
+      print_tokens(out, batch["tokens"][r], mask, vocab.get(), style, args.ids);
     } else {
-      for (const data::Field& field : m.schema) print_record_field(field, batch, r, style);
+      for (const data::Field& field : m.schema) print_record_field(out, field, batch, r, style);
     }
   }
+}
+
+// The terminal in raw mode (no echo, no line buffering) on the alternate screen while it
+// lives; restored on every way out.
+class RawTerminal {
+ public:
+  RawTerminal() {
+    LOOM_CHECK(::isatty(STDIN_FILENO) == 1 && ::isatty(STDOUT_FILENO) == 1, InvalidArgument,
+               "--interactive needs a terminal (stdin and stdout); without one, use "
+               "`loom data show` with --rank and --step");
+    ::tcgetattr(STDIN_FILENO, &saved_);
+    termios raw = saved_;
+    raw.c_lflag &= static_cast<tcflag_t>(~(ICANON | ECHO));
+    raw.c_cc[VMIN] = 1;
+    raw.c_cc[VTIME] = 0;
+    ::tcsetattr(STDIN_FILENO, TCSANOW, &raw);
+    std::cout << "\033[?1049h\033[?25l" << std::flush;  // alternate screen, no cursor
+  }
+  ~RawTerminal() {
+    std::cout << "\033[?25h\033[?1049l" << std::flush;
+    ::tcsetattr(STDIN_FILENO, TCSANOW, &saved_);
+  }
+  RawTerminal(const RawTerminal&) = delete;
+  RawTerminal& operator=(const RawTerminal&) = delete;
+
+  // The next key: a character, or "left", "right", "up", "down" for the arrows; "" at the
+  // end of input.
+  std::string key() {
+    char c = 0;
+    if (::read(STDIN_FILENO, &c, 1) != 1) return "";
+    if (c != '\033') return std::string(1, c);
+    char seq[2] = {};
+    if (::read(STDIN_FILENO, &seq[0], 1) != 1 || ::read(STDIN_FILENO, &seq[1], 1) != 1) {
+      return "\033";
+    }
+    if (seq[0] == '[') {
+      switch (seq[1]) {
+        case 'A':
+          return "up";
+        case 'B':
+          return "down";
+        case 'C':
+          return "right";
+        case 'D':
+          return "left";
+      }
+    }
+    return "";
+  }
+
+ private:
+  termios saved_{};
+};
+
+// `loom data show --interactive`: the same view, stepping through steps and ranks with keys.
+int run_interactive(const ShowArgs& args) {
+  RawTerminal terminal;
+  const Style style{args.color != "never"};
+  int rank = args.rank;
+  uint64_t step = args.step;
+  std::string note;
+  for (;;) {
+    std::ostringstream view;
+    try {
+      print_show(view, args, rank, step, style);
+    } catch (const Error& e) {
+      view << "error: " << e.what() << "\n";
+    }
+    std::cout << "\033[H\033[2J" << view.str() << "\n"
+              << style.bold("rank " + std::to_string(rank) + "/" + std::to_string(args.at.world) +
+                            " step " + std::to_string(step))
+              << "  \u2190/\u2192 or p/n: step   \u2191/\u2193 or k/j: rank   g: go to step   "
+                 "q: quit"
+              << (note.empty() ? "" : "   " + note) << std::flush;
+    note.clear();
+    const std::string key = terminal.key();
+    if (key.empty() || key == "q") return kExitOk;
+    if (key == "right" || key == "n") {
+      ++step;
+    } else if ((key == "left" || key == "p") && step > 0) {
+      --step;
+    } else if ((key == "down" || key == "j") && rank + 1 < args.at.world) {
+      ++rank;
+    } else if ((key == "up" || key == "k") && rank > 0) {
+      --rank;
+    } else if (key == "g") {
+      std::cout << "\r\033[2Kgo to step: " << std::flush;
+      std::string digits;
+      for (std::string k = terminal.key(); k != "\n" && k != "\r" && !k.empty();
+           k = terminal.key()) {
+        if (k.size() == 1 && std::isdigit(static_cast<unsigned char>(k[0])) && digits.size() < 18) {
+          digits += k;
+          std::cout << k << std::flush;
+        } else if ((k == "\177" || k == "\b") && !digits.empty()) {
+          digits.pop_back();
+          std::cout << "\b \b" << std::flush;
+        }
+      }
+      if (!digits.empty()) step = std::stoull(digits);
+    } else {
+      note = "(unknown key)";
+    }
+  }
+}
+
+int run_show(const ShowArgs& args) {
+  if (args.interactive) return run_interactive(args);
+  const Style style{args.color == "always" || (args.color == "auto" && isatty(1))};
+  print_show(std::cout, args, args.rank, args.step, style);
   return kExitOk;
 }
 
@@ -251,13 +363,17 @@ void register_data(CLI::App& app, Action& action) {
       ->capture_default_str();
   add_position_options(*s, show->at);
   s->add_flag("--ids", show->ids, "also print token ids");
+  s->add_flag("--interactive", show->interactive,
+              "step through steps and ranks with the keyboard (arrows, n/p, j/k, g, q)");
   s->add_option("--color", show->color, "auto, always or never")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "always", "never"}));
   s->footer(
       "With the options your run uses, this prints exactly the samples the model sees on that\n"
       "rank at that step: text detokenized with token boundaries marked (| or alternating\n"
-      "shades), images as terminal art with their label, other fields as values.");
+      "shades), images as terminal art with their label, other fields as values.\n"
+      "--interactive: the same full-screen, stepping through steps and ranks with the keys.\n"
+      "`loom data serve` shows it in a browser.");
   s->callback([show, &action] { action = [show] { return run_show(*show); }; });
 }
 
