@@ -288,7 +288,11 @@ void StepTracer::flush() {
                   {"dur", e.end_us - e.start_us},
                   {"pid", pid},
                   {"tid", e.tid}};
-    if (!e.args.empty()) event["args"] = json::parse(e.args);
+    if (!e.args.empty()) {
+      // A program's own args that are not a JSON object are kept as text, not lost.
+      json args = json::parse(e.args, nullptr, /*allow_exceptions=*/false);
+      event["args"] = args.is_object() ? std::move(args) : json{{"text", e.args}};
+    }
     spans += ',';
     spans += event.dump();
   }

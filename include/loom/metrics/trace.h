@@ -52,8 +52,8 @@ LOOM_API bool tracing();
 LOOM_API int64_t trace_now_us();
 // Records a complete span [start_us, end_us] of `category` on the calling thread when a
 // recording StepTracer exists (call it for spans that began while tracing() was true).
-// `args_json` is "" or the text of a JSON object shown with the span; names and args are
-// the caller's, so keep them free of secrets.
+// `args_json` is "" or the text of a JSON object shown with the span (other text is kept as
+// {"text": ...}); names and args are the caller's, so keep them free of secrets.
 LOOM_API void trace_span(const char* category, std::string name, int64_t start_us, int64_t end_us,
                          std::string args_json = {});
 

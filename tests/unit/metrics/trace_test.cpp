@@ -152,6 +152,21 @@ TEST(StepTracer, RecordsTheChosenStepsOnTheirThreadsAndWritesThemWhenTheyEnd) {
   EXPECT_EQ(threads.count(other_tid), 1u);
 }
 
+TEST(StepTracer, ArgsThatAreNotAJsonObjectAreKeptAsText) {
+  testing::TempDir dir;
+  Runtime rt = single_rank(dir.path());
+  {
+    StepTracer tracer(rt, {0});
+    tracer.begin_step(0);
+    TraceSpan span("model", "attention");
+    span.args("heads=4");
+  }
+  const json trace = json::parse(util::read_file(dir.path() / "traces" / "rank_0.json"));
+  const auto spans = spans_of(trace);
+  ASSERT_EQ(spans.count("attention"), 1u);
+  EXPECT_EQ(spans.find("attention")->second["args"], json({{"text", "heads=4"}}));
+}
+
 TEST(StepTracer, WithoutStepsRecordsNothingAndWritesNothing) {
   testing::TempDir dir;
   Runtime rt = single_rank(dir.path());
