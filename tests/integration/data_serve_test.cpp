@@ -195,6 +195,27 @@ TEST(DataServe, TheBrowserShowsRecordsImagesLabelsAndText) {
                                       image.data_ptr<int64_t>() + image.numel());
     EXPECT_EQ(shown[r]["fields"]["image"].get<std::vector<int64_t>>(), pixels) << r;
   }
+
+  // The statistics view: each field's counts or histogram over all 30 records. Labels are
+  // i % 3; captions "photo 0" .. "photo 29" are 7 bytes (10 of them) or 8 (20).
+  browser.open(served.url("/?view=stats"));
+  ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
+  browser.screenshot(kScreenshots / "records_stats.png");
+  const json stats = json::parse(browser.run(R"JS(
+    const out = {summary: document.querySelector('#stats-summary h3').textContent};
+    for (const div of document.querySelectorAll('.stat[data-field]')) {
+      out[div.dataset.field] = [...div.querySelectorAll('.row')]
+          .map(r => [r.dataset.key, Number(r.dataset.count)]);
+    }
+    return out;)JS"));
+  EXPECT_EQ(stats["summary"], "30 of 30 samples counted");
+  EXPECT_EQ(stats["label"],
+            json::parse(R"J([["0 (cat)", 10], ["1 (dog)", 10], ["2 (bird)", 10]])J"));
+  EXPECT_EQ(stats["image"], json::parse(R"J([["4x5", 30]])J"));
+  ASSERT_EQ(stats["caption"].size(), 10u) << stats;
+  EXPECT_EQ(stats["caption"][0], json::parse(R"J(["7 – 7.1", 10])J"));
+  EXPECT_EQ(stats["caption"][9], json::parse(R"J(["7.9 – 8", 20])J"));
+  for (int b = 1; b < 9; ++b) EXPECT_EQ(stats["caption"][b][1], 0) << b;
 }
 
 TEST(DataServe, BeyondLoopbackItNeedsPublicAndEveryRequestTheToken) {

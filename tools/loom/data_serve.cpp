@@ -7,8 +7,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <iostream>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "data_commands.h"
@@ -141,6 +144,95 @@ json dataset_json(const DataPosition& at) {
           {"schema", std::move(schema)}};
 }
 
+// Statistics over the first kStatsSamples samples of the dataset (all of a smaller one), per
+// field: an int field's count per value (named by its classes), a text or bytes field's
+// length histogram, a float field's value histogram, a tensor field's count per shape. Token
+// datasets: their totals from the manifest.
+constexpr uint64_t kStatsSamples = 200'000;
+
+// `values` in 10 equal-width bins from their least to their greatest: [{from, to, count}].
+json histogram(const std::vector<double>& values) {
+  json bins = json::array();
+  if (values.empty()) return bins;
+  const auto [lo_it, hi_it] = std::minmax_element(values.begin(), values.end());
+  const double lo = *lo_it, hi = *hi_it;
+  const int n = hi > lo ? 10 : 1;
+  std::vector<uint64_t> counts(static_cast<size_t>(n), 0);
+  for (double v : values) {
+    const int b = hi > lo ? std::min(n - 1, static_cast<int>((v - lo) / (hi - lo) * n)) : 0;
+    ++counts[static_cast<size_t>(b)];
+  }
+  for (int b = 0; b < n; ++b) {
+    bins.push_back({{"from", lo + (hi - lo) * b / n},
+                    {"to", hi > lo ? lo + (hi - lo) * (b + 1) / n : hi},
+                    {"count", counts[static_cast<size_t>(b)]}});
+  }
+  return bins;
+}
+
+json stats_json(const DataPosition& at) {
+  const std::unique_ptr<data::Reader> reader = reader_at(at, 0, 0);
+  const data::Manifest& m = reader->manifest();
+  const uint64_t total = reader->num_samples();
+  const uint64_t counted = std::min(total, kStatsSamples);
+  json out = {{"samples", total}, {"counted", counted}, {"fields", json::array()}};
+  if (m.kind == data::DatasetKind::kTokens) {
+    out["tokens"] = m.total_items();
+    out["documents"] = m.total_documents();
+    out["shards"] = m.shards.size();
+    return out;
+  }
+  std::map<std::string, std::map<std::string, uint64_t>> counts;  // int and tensor fields
+  std::map<std::string, std::vector<double>> values;              // text, bytes, float fields
+  for (uint64_t begin = 0; begin < counted; begin += 256) {
+    std::vector<uint64_t> indices;
+    for (uint64_t i = begin; i < std::min(counted, begin + 256); ++i) indices.push_back(i);
+    const data::Batch batch = reader->read(indices);
+    for (const data::Field& f : m.schema) {
+      for (int64_t r = 0; r < static_cast<int64_t>(indices.size()); ++r) {
+        switch (f.type) {
+          case data::FieldType::kInt: {
+            const int64_t v = batch[f.name][r].item<int64_t>();
+            const bool named = v >= 0 && v < static_cast<int64_t>(f.classes.size());
+            ++counts[f.name][std::to_string(v) +
+                             (named ? " (" + f.classes[static_cast<size_t>(v)] + ")" : "")];
+            break;
+          }
+          case data::FieldType::kTensor: {
+            std::string shape;
+            for (int64_t d : batch[f.name][r].sizes()) {
+              shape += (shape.empty() ? "" : "x") + std::to_string(d);
+            }
+            ++counts[f.name][shape];
+            break;
+          }
+          case data::FieldType::kText:
+          case data::FieldType::kBytes:
+            values[f.name].push_back(
+                static_cast<double>(batch.strings.at(f.name)[static_cast<size_t>(r)].size()));
+            break;
+          case data::FieldType::kFloat:
+            values[f.name].push_back(batch[f.name][r].item<double>());
+            break;
+        }
+      }
+    }
+  }
+  for (const data::Field& f : m.schema) {
+    json field = {{"name", f.name}, {"type", type_name(f.type)}};
+    if (f.type == data::FieldType::kInt || f.type == data::FieldType::kTensor) {
+      json c = json::array();
+      for (const auto& [key, n] : counts[f.name]) c.push_back({{"key", key}, {"count", n}});
+      field["counts"] = std::move(c);
+    } else {
+      field["histogram"] = histogram(values[f.name]);
+      field["of"] = f.type == data::FieldType::kFloat ? "value" : "length in bytes";
+    }
+    out["fields"].push_back(std::move(field));
+  }
+  return out;
+}
+
 // A query parameter as a non-negative integer; InvalidArgument naming it otherwise.
 uint64_t number_param(const httplib::Request& req, const char* name) {
   const std::string text = req.has_param(name) ? req.get_param_value(name) : "0";
@@ -178,6 +270,18 @@ int run_serve(const ServeArgs& args) {
     });
     server.Get("/api/dataset", [dataset](const httplib::Request&, httplib::Response& res) {
       res.set_content(dataset.dump(), "application/json");
+    });
+    // Computed on first request, once.
+    auto stats = std::make_shared<std::pair<std::mutex, std::string>>();
+    server.Get("/api/stats", [at, stats](const httplib::Request&, httplib::Response& res) {
+      std::lock_guard<std::mutex> lock(stats->first);
+      try {
+        if (stats->second.empty()) stats->second = stats_json(at).dump();
+        res.set_content(stats->second, "application/json");
+      } catch (const Error& e) {
+        res.status = 500;
+        res.set_content(std::string(e.what()) + "\n", "text/plain");
+      }
     });
     server.Get("/api/batch", [at, vocab](const httplib::Request& req, httplib::Response& res) {
       try {
@@ -233,6 +337,12 @@ const char* page() {
   table.fields td:first-child { color: #6b7385; }
   canvas.image { image-rendering: pixelated; border: 1px solid #e3e6ec; }
   .error { color: #c0392b; font-weight: 600; }
+  .stat { background: #fff; border: 1px solid #e3e6ec; border-radius: 6px; padding: 10px 12px;
+          margin-bottom: 10px; }
+  .stat h3 { font-size: 13px; margin: 0 0 6px; }
+  .stat .row { display: flex; align-items: center; gap: 8px; font-size: 12px; margin: 2px 0; }
+  .stat .key { width: 160px; text-align: right; color: #6b7385; }
+  .stat .bar { height: 12px; background: #2563c9; border-radius: 2px; }
   .muted { color: #6b7385; }
 </style>
 </head>
@@ -243,6 +353,7 @@ const char* page() {
   <label>step <input id="step" type="number" min="0" value="0"></label>
   <button id="prev">&larr; step</button><button id="next">step &rarr;</button>
   <span class="muted" id="where"></span>
+  <a id="stats-link" href="?view=stats">statistics</a>
 </nav>
 <main id="samples"></main>
 <script>
@@ -316,6 +427,43 @@ async function show() {
   document.body.dataset.ready = "1";
 }
 
+async function showStats() {
+  document.body.dataset.ready = "0";
+  $("where").textContent = "statistics";
+  const res = await fetch("api/stats");
+  const box = $("samples");
+  if (!res.ok) {
+    box.replaceChildren(el("div", {class: "error"}, await res.text()));
+    document.body.dataset.ready = "1";
+    return;
+  }
+  const st = await res.json();
+  const head = el("div", {class: "stat", id: "stats-summary"});
+  head.append(el("h3", {}, `${st.counted} of ${st.samples} samples counted` +
+                           (st.tokens !== undefined ? ` · ${st.tokens} tokens in ` +
+                            `${st.documents} documents, ${st.shards} shards` : "")));
+  const blocks = [head];
+  for (const f of st.fields) {
+    const div = el("div", {class: "stat", "data-field": f.name});
+    div.append(el("h3", {}, f.counts ? `${f.name}: count per ${f.type === "int" ? "value" : "shape"}`
+                                     : `${f.name}: histogram of its ${f.of}`));
+    const rows = f.counts ? f.counts.map(c => [c.key, c.count])
+                          : f.histogram.map(b => [`${+b.from.toFixed(2)} – ${+b.to.toFixed(2)}`,
+                                                  b.count]);
+    const most = Math.max(1, ...rows.map(r => r[1]));
+    for (const [key, count] of rows) {
+      const row = el("div", {class: "row", "data-key": key, "data-count": count});
+      const bar = el("div", {class: "bar"});
+      bar.style.width = `${Math.max(1, 300 * count / most)}px`;
+      row.append(el("span", {class: "key"}, key), bar, el("span", {}, String(count)));
+      div.append(row);
+    }
+    blocks.push(div);
+  }
+  box.replaceChildren(...blocks);
+  document.body.dataset.ready = "1";
+}
+
 async function start() {
   info = await (await fetch("api/dataset")).json();
   $("dataset").textContent = `${info.dataset} · ${info.kind} · ${info.samples} samples · ` +
@@ -324,6 +472,11 @@ async function start() {
   const q = new URLSearchParams(location.search);
   $("rank").value = q.get("rank") || "0";
   $("step").value = q.get("step") || "0";
+  if (q.get("view") === "stats") {
+    $("stats-link").href = "?rank=0&step=0";
+    $("stats-link").textContent = "samples";
+    return showStats();
+  }
   $("rank").onchange = show;
   $("step").onchange = show;
   $("prev").onclick = () => { $("step").value = Math.max(0, Number($("step").value) - 1); show(); };
@@ -359,7 +512,8 @@ void register_data_serve(CLI::App& data, Action& action) {
       "With your run's reader options, the page shows exactly the samples the model sees on\n"
       "each rank at each step (the same as `loom data show`): text with token boundaries and\n"
       "ids on hover, images drawn, labels named. Pick the rank and step, or use the arrow\n"
-      "keys. Read-only; nothing but the dataset's samples is served.\n\n"
+      "keys. ?view=stats: each field's value counts or length histogram. Read-only; nothing\n"
+      "but the dataset's samples and statistics is served.\n\n"
       "Example: loom data serve data/kjv --world 2 --batch 8 --seq-len 64   then open\n"
       "http://127.0.0.1:8471/?rank=1&step=100");
   s->callback([args, &action] { action = [args] { return run_serve(*args); }; });
