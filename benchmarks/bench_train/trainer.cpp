@@ -134,6 +134,27 @@ std::unique_ptr<loom::parallel::DataParallel> make_data_parallel(std::shared_ptr
   return dp;
 }
 
+// The Trainer's options in both modes: `steps` steps (default: warm-up and measured rounds),
+// clipping at 1, a constant rate of 1e-4, nothing resumed.
+loom::train::TrainOptions trainer_options(const Settings& s, int64_t steps = -1) {
+  loom::train::TrainOptions options;
+  options.steps = steps >= 0 ? steps : s.warmup + s.steps;
+  options.grad_clip = 1.0;
+  options.schedule = loom::train::Schedule::constant(1e-4);
+  options.resume = false;
+  return options;
+}
+
+// The Trainer's loss: the model's next-token loss on the batch's tokens.
+loom::train::LossFn gpt_loss(Gpt& model, const Settings& s) {
+  return [&model, &s](const loom::data::Batch& batch) {
+    const at::Tensor& tokens = batch["tokens"];
+    return loom::train::MicroStep{.loss = loss_on(model, s, tokens),
+                                  .tokens = tokens.size(0) * s.seq,
+                                  .samples = tokens.size(0)};
+  };
+}
+
 // Trainer steps with one step of each hand-written loop between them (run from the Trainer's
 // on_step_end), so that load from other processes falls on all loops alike. Every timed step
 // runs from one barrier to the next, so it is the slowest rank's. A Trainer step runs from the
@@ -205,11 +226,6 @@ TrainerTimes measure_trainer(const Settings& s) {
     group.barrier()->wait();
     if (record) out.push_back(ms_since(start));
   };
-  loom::train::TrainOptions options;
-  options.steps = s.warmup + s.steps;
-  options.grad_clip = 1.0;
-  options.schedule = loom::train::Schedule::constant(1e-4);
-  options.resume = false;
   auto trainer_start = Clock::now();
   loom::train::Callbacks callbacks;
   callbacks.on_step_end = [&](const loom::train::StepInfo& info) {
@@ -223,15 +239,8 @@ TrainerTimes measure_trainer(const Settings& s) {
     if (!s.baton.empty()) warm_up();
     trainer_start = Clock::now();
   };
-  loom::train::Trainer trainer(
-      rt, *trainer_dp, *trainer_reader, options,
-      [&](const loom::data::Batch& batch) {
-        const at::Tensor& tokens = batch["tokens"];
-        return loom::train::MicroStep{.loss = loss_on(*trainer_model, s, tokens),
-                                      .tokens = tokens.size(0) * s.seq,
-                                      .samples = tokens.size(0)};
-      },
-      callbacks);
+  loom::train::Trainer trainer(rt, *trainer_dp, *trainer_reader, trainer_options(s),
+                               gpt_loss(*trainer_model, s), callbacks);
   group.barrier()->wait();
   trainer_start = Clock::now();
   trainer.fit();
@@ -567,14 +576,6 @@ void run_trace_worker(const Settings& s) {
   auto model = make_model(s);
   auto dp = make_data_parallel(model, group, s);
   auto reader = rt.open_dataset(s.dataset, {.batch_size = s.batch, .seq_len = s.seq});
-  loom::train::TrainOptions options;
-  options.steps = s.warmup + static_cast<int64_t>(s.steps) * kCycle;
-  options.grad_clip = 1.0;
-  options.schedule = loom::train::Schedule::constant(1e-4);
-  options.resume = false;
-  for (int64_t step = 0; step < options.steps; ++step) {
-    if (kind_of(s, step) == StepKind::kTraced) options.trace_steps.push_back(step);
-  }
   std::vector<double> traced_ms, flush_ms, off_ms;
   auto start = Clock::now();
   loom::train::Callbacks callbacks;
@@ -597,15 +598,11 @@ void run_trace_worker(const Settings& s) {
     }
     start = Clock::now();
   };
-  loom::train::Trainer trainer(
-      rt, *dp, *reader, options,
-      [&](const loom::data::Batch& batch) {
-        const at::Tensor& tokens = batch["tokens"];
-        return loom::train::MicroStep{.loss = loss_on(*model, s, tokens),
-                                      .tokens = tokens.size(0) * s.seq,
-                                      .samples = tokens.size(0)};
-      },
-      callbacks);
+  loom::train::TrainOptions options = trainer_options(s, s.warmup + s.steps * kCycle);
+  for (int64_t step = 0; step < options.steps; ++step) {
+    if (kind_of(s, step) == StepKind::kTraced) options.trace_steps.push_back(step);
+  }
+  loom::train::Trainer trainer(rt, *dp, *reader, options, gpt_loss(*model, s), callbacks);
   group.barrier()->wait();
   start = Clock::now();
   trainer.fit();

@@ -106,7 +106,7 @@ struct SaveHandle::Job {
     }
     std::exception_ptr failure;
     metrics::TraceSpan span("checkpoint", "checkpoint copy");
-    span.args(detail::concat("{\"step\":", step, "}"));
+    if (span.recording()) span.args(detail::concat("{\"step\":", step, "}"));
     try {
       copy_pieces(parallel);
       // The caller may change the CUDA tensors once copy() returned: later work on the compute
@@ -339,7 +339,7 @@ void Checkpointer::Impl::run_job(Job& job) {
   std::exception_ptr failure;
   try {
     metrics::TraceSpan span("checkpoint", "checkpoint write");
-    span.args(detail::concat("{\"step\":", job.step, "}"));
+    if (span.recording()) span.args(detail::concat("{\"step\":", job.step, "}"));
     write_file(job);
   } catch (...) {
     failure = std::current_exception();
@@ -360,7 +360,7 @@ void Checkpointer::Impl::run_job(Job& job) {
   }
   if (!failure) {
     metrics::TraceSpan span("checkpoint", "checkpoint commit");
-    span.args(detail::concat("{\"step\":", job.step, "}"));
+    if (span.recording()) span.args(detail::concat("{\"step\":", job.step, "}"));
     try {
       if (rank == 0) {
         skipped = commit(protocol, job);

@@ -169,6 +169,12 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
     monitor = std::thread([this] { monitor_loop(); });
   }
 
+  // The job's metrics as /api/metrics serves them.
+  std::string metrics_json() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return job_metrics.json(membership.status());
+  }
+
   // The metrics endpoint: GET /metrics (Prometheus), and the dashboard's routes: / (the page),
   // /api/metrics (JSON), /api/files and /files/... (control/dashboard.h).
   void start_http() {
@@ -201,12 +207,8 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
       res.set_content(job_metrics.prometheus(membership.status()),
                       "text/plain; version=0.0.4; charset=utf-8");
     });
-    add_dashboard_routes(*http, {.metrics_json =
-                                     [this] {
-                                       std::lock_guard<std::mutex> lock(mutex);
-                                       return job_metrics.json(membership.status());
-                                     },
-                                 .run_dir = options.run_dir});
+    add_dashboard_routes(
+        *http, {.metrics_json = [this] { return metrics_json(); }, .run_dir = options.run_dir});
     std::string host = where.substr(0, colon);
     if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
     int port = 0;
@@ -519,10 +521,7 @@ Coordinator::Coordinator(CoordinatorOptions options)
 Coordinator::~Coordinator() = default;
 const std::string& Coordinator::address() const { return impl_->address; }
 const std::string& Coordinator::metrics_address() const { return impl_->http_address; }
-std::string Coordinator::job_metrics_json() const {
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  return impl_->job_metrics.json(impl_->membership.status());
-}
+std::string Coordinator::job_metrics_json() const { return impl_->metrics_json(); }
 bool Coordinator::done() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->membership.done();

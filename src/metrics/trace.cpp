@@ -23,6 +23,7 @@
 #include "loom/version.h"
 #include "metrics/trace_internal.h"
 #include "util/files.h"
+#include "util/number.h"
 
 namespace loom::metrics {
 namespace {
@@ -72,19 +73,13 @@ std::string this_thread_name() {
 }
 
 int64_t parse_step(const std::string& spec, const std::string& text) {
-  size_t used = 0;
-  int64_t value = -1;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty() || value < 0 || text[0] == '+' || text[0] == '-') {
+  const std::optional<uint64_t> value = util::parse_unsigned(text);
+  if (!value || *value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
     throw ConfigError(detail::concat(
         "metrics.trace_steps: '", spec, "' is not a list of steps: '", text,
         "' is not a step (0-based step indices or ranges, e.g. \"10\", \"10-12\", \"3,10-12\")"));
   }
-  return value;
+  return static_cast<int64_t>(*value);
 }
 
 }  // namespace

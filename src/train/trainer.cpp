@@ -525,9 +525,11 @@ struct Trainer::Impl {
       auto phase = timer.phase(Phase::kForwardBackward);
       for (int64_t m = 0; m < options.micro_batches; ++m) {
         strategy.set_sync(m + 1 == options.micro_batches);
-        std::optional<metrics::TraceSpan> forward(std::in_place, "train", "forward");
-        MicroStep micro = loss_fn(micro_batch(batch, m, options.micro_batches));
-        forward.reset();
+        MicroStep micro;
+        {
+          metrics::TraceSpan forward("train", "forward");
+          micro = loss_fn(micro_batch(batch, m, options.micro_batches));
+        }
         metrics::TraceSpan backward("train", "backward");
         if (options.loss_scaling.enabled) {
           (micro.loss * (loss_scale / static_cast<double>(options.micro_batches))).backward();

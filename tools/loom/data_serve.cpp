@@ -12,12 +12,14 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "data_commands.h"
 #include "http_serve.h"
 #include "loom/data/vocabulary.h"
 #include "loom/error.h"
+#include "util/number.h"
 
 namespace loom::cli {
 namespace {
@@ -236,17 +238,10 @@ json stats_json(const DataPosition& at) {
 // A query parameter as a non-negative integer; InvalidArgument naming it otherwise.
 uint64_t number_param(const httplib::Request& req, const char* name) {
   const std::string text = req.has_param(name) ? req.get_param_value(name) : "0";
-  size_t used = 0;
-  unsigned long long value = 0;
-  try {
-    value = std::stoull(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  LOOM_CHECK(used == text.size() && !text.empty() && text[0] != '-' && text[0] != '+',
-             InvalidArgument, "the parameter ", name, " must be a non-negative integer, got '",
-             text, "'");
-  return value;
+  const std::optional<uint64_t> value = util::parse_unsigned(text);
+  LOOM_CHECK(value.has_value(), InvalidArgument, "the parameter ", name,
+             " must be a non-negative integer, got '", text, "'");
+  return *value;
 }
 
 const char* page();

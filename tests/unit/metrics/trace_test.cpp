@@ -39,8 +39,7 @@ TEST(TraceSteps, BadSpecsAreConfigErrorsNamingThem) {
        {"x", "-1", "3-", "-", "1,,2", "1,", "2-1", "1.5", "+3", "0-100000"}) {
     const std::string error = testing::error_of<ConfigError>([&] { parse_trace_steps(bad); });
     EXPECT_TRUE(testing::contains(error, "metrics.trace_steps")) << bad << ": " << error;
-    EXPECT_TRUE(testing::contains(error, "'" + bad + "'") || testing::contains(error, bad))
-        << bad << ": " << error;
+    EXPECT_TRUE(testing::contains(error, "'" + bad + "'")) << bad << ": " << error;
   }
 }
 
