@@ -11,6 +11,8 @@ find_package(Gloo REQUIRED)  # CPU collectives (libgloo-dev); target gloo
 find_package(CLI11 CONFIG REQUIRED)  # the loom tool and the benchmarks' command lines
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)  # checksums (libxxhash-dev)
+find_package(PNG REQUIRED)   # image fields of record datasets: PNG (libpng-dev)
+find_package(JPEG REQUIRED)  # and JPEG (libjpeg-dev: libjpeg-turbo)
 find_package(CURL 7.75 REQUIRED)  # remote datasets: http(s) and S3 SigV4 (libcurl4-openssl-dev)
 # cpp-httplib (libcpp-httplib-dev): the agents' snapshot replication server, and the tests'
 # faulty HTTP server.

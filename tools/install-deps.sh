@@ -15,6 +15,7 @@ packages=(
   libsentencepiece-dev sentencepiece
   libcpp-httplib-dev
   libcurl4-openssl-dev  # remote datasets (http, https, s3)
+  libpng-dev libjpeg-dev  # image fields of record datasets (libjpeg-dev is libjpeg-turbo)
   curl                  # the S3 tests upload to s3rver with it
   nginx-light           # the remote-dataset tests serve shards with it on loopback
   prometheus            # the observability test has it scrape a job's /metrics; promtool

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include "data/chunk_check.h"
+#include "data/image_codec.h"
+#include "data/layout.h"
 #include "data/manifest.h"
 #include "data/shard_format.h"
 #include "loom/data/remote.h"
@@ -17,6 +19,12 @@ namespace loom::data {
 namespace {
 
 namespace fs = std::filesystem;
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
 
 // Prepares an output directory: created if missing; one that already holds a dataset is refused.
 void prepare_output_dir(const fs::path& dir) {
@@ -134,6 +142,38 @@ const Field& Manifest::field(const std::string& name) const {
       detail::concat("the dataset has no field '", name, "'; its fields: ", known));
 }
 
+const char* to_string(FieldType type) {
+  switch (type) {
+    case FieldType::kBytes:
+      return "bytes";
+    case FieldType::kText:
+      return "text";
+    case FieldType::kInt:
+      return "int";
+    case FieldType::kFloat:
+      return "float";
+    case FieldType::kTensor:
+      return "tensor";
+    case FieldType::kImage:
+      return "image";
+    case FieldType::kImages:
+      return "images";
+  }
+  return "?";
+}
+
+const char* to_string(RecordLayout layout) {
+  switch (layout) {
+    case RecordLayout::kPlain:
+      return "plain";
+    case RecordLayout::kMultimodal:
+      return "multimodal";
+    case RecordLayout::kEpisodes:
+      return "episodes";
+  }
+  return "?";
+}
+
 // ---- Record ----
 
 Record& Record::bytes(std::string value) {
@@ -155,6 +195,14 @@ Record& Record::real(double value) {
 Record& Record::tensor(const void* data, size_t nbytes, std::vector<int64_t> shape) {
   values_.push_back({FieldType::kTensor, std::string(static_cast<const char*>(data), nbytes), 0, 0,
                      std::move(shape)});
+  return *this;
+}
+Record& Record::image(std::string encoded) {
+  values_.push_back({FieldType::kImage, std::move(encoded)});
+  return *this;
+}
+Record& Record::images(std::vector<std::string> encoded) {
+  values_.push_back({FieldType::kImages, {}, 0, 0, {}, std::move(encoded)});
   return *this;
 }
 
@@ -268,6 +316,49 @@ struct RecordDatasetWriter::Impl {
   std::vector<uint64_t> offsets;
   std::string payload;
   uint64_t total = 0;
+  std::vector<format::FieldView> views;        // the record being added, decoded back
+  std::vector<std::vector<int64_t>> trailing;  // each ragged field's dims after the first
+  std::vector<uint8_t> pixels;                 // scratch for decoding images
+
+  // What is wrong with the record just encoded into `payload`, or "": the checks a reader
+  // relies on beyond the schema's types (ragged dimensions, the layout, decodable images).
+  std::string check_record() {
+    const std::vector<Field>& schema = manifest.schema;
+    views.assign(schema.size(), {});
+    std::string bad = format::decode_record(
+        schema, reinterpret_cast<const uint8_t*>(payload.data()), payload.size(), views.data());
+    if (!bad.empty()) return bad;
+    for (size_t i = 0; i < schema.size(); ++i) {
+      const Field& f = schema[i];
+      if (f.ragged) {
+        std::vector<int64_t> rest(views[i].dims + 1, views[i].dims + views[i].ndim);
+        if (total == 0) trailing[i] = rest;
+        if (rest != trailing[i]) {
+          return "ragged field '" + f.name + "' has shape " + shape_text(views[i].shape()) +
+                 "; its dimensions after the first must match the first record's " +
+                 shape_text(trailing[i]);
+        }
+      } else if (f.type == FieldType::kImage) {
+        bad = check_image(views[i].data, views[i].size);
+      } else if (f.type == FieldType::kImages) {
+        const auto items = format::list_items(views[i]);
+        for (size_t k = 0; k < items.size() && bad.empty(); ++k) {
+          bad = check_image(items[k].first, items[k].second);
+          if (!bad.empty()) bad = "image " + std::to_string(k) + ": " + bad;
+        }
+      }
+      if (!bad.empty()) return "field '" + f.name + "': " + bad;
+    }
+    return layout::check_record(manifest.layout, schema, views.data());
+  }
+
+  std::string check_image(const uint8_t* data, size_t size) {
+    image::Info info;
+    std::string bad = image::probe(data, size, &info);
+    if (!bad.empty()) return bad;
+    pixels.resize(static_cast<size_t>(info.height * info.width * info.channels));
+    return image::decode(data, size, info, pixels.data());
+  }
 
   void close_shard() {
     if (!shard) return;
@@ -299,6 +390,8 @@ RecordDatasetWriter::RecordDatasetWriter(fs::path dir, std::vector<Field> schema
     }
     if (f.type == FieldType::kTensor) format::dtype_size(f.dtype);
   }
+  const std::string bad = layout::check_schema(options.layout, schema);
+  LOOM_CHECK(bad.empty(), InvalidArgument, "record schema: ", bad);
   check_chunk_bytes(options.chunk_bytes);
   prepare_output_dir(dir);
   impl_->dir = std::move(dir);
@@ -306,6 +399,8 @@ RecordDatasetWriter::RecordDatasetWriter(fs::path dir, std::vector<Field> schema
   impl_->manifest.schema = std::move(schema);
   impl_->manifest.chunk_bytes = options.chunk_bytes;
   impl_->manifest.description = options.description;
+  impl_->manifest.layout = options.layout;
+  impl_->trailing.resize(impl_->manifest.schema.size());
   impl_->options = std::move(options);
 }
 
@@ -314,7 +409,13 @@ RecordDatasetWriter::~RecordDatasetWriter() = default;
 void RecordDatasetWriter::add(const Record& record) {
   Impl& w = *impl_;
   w.payload.clear();
-  format::encode_record(w.manifest.schema, record, w.payload);
+  try {
+    format::encode_record(w.manifest.schema, record, w.payload);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(detail::concat("record ", w.total, ": ", e.what()));
+  }
+  const std::string bad = w.check_record();
+  LOOM_CHECK(bad.empty(), InvalidArgument, "record ", w.total, ": ", bad);
   if (!w.shard) {
     w.shard = std::make_unique<ShardFile>(w.dir, shard_name("records", w.manifest.shards.size()),
                                           w.options.chunk_bytes);

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "data/chunk_check.h"
+#include "data/layout.h"
 #include "data/shard_format.h"
 #include "loom/error.h"
 #include "util/files.h"
@@ -60,15 +61,17 @@ json identity_json(const Manifest& m) {
   } else {
     json schema = json::array();
     for (const Field& f : m.schema) {
-      json e = {{"name", f.name}, {"type", format::field_type_name(f.type)}};
+      json e = {{"name", f.name}, {"type", to_string(f.type)}};
       if (f.type == FieldType::kTensor) {
         e["dtype"] = f.dtype;
         e["shape"] = f.shape;
       }
       if (!f.classes.empty()) e["classes"] = f.classes;
+      if (f.ragged) e["ragged"] = true;  // written only when set: older versions stay the same
       schema.push_back(std::move(e));
     }
     j["schema"] = std::move(schema);
+    if (m.layout != RecordLayout::kPlain) j["layout"] = to_string(m.layout);
   }
   if (!m.tokenizer_files.empty()) {
     json files = json::array();
@@ -78,10 +81,11 @@ json identity_json(const Manifest& m) {
   return j;
 }
 
-// The current-format manifest without its own hash: the identity plus the format's details.
+// The manifest (format 2 and later) without its own hash: the identity plus the format's
+// details. Formats 2 and 3 write the same keys, so it serves both.
 json manifest_json(const Manifest& m) {
   json j = identity_json(m);
-  j["format_version"] = Manifest::kFormatVersion;
+  j["format_version"] = m.format_version;
   j["chunk_bytes"] = m.chunk_bytes;
   for (size_t i = 0; i < m.shards.size(); ++i) {
     json hashes = json::array();
@@ -216,8 +220,12 @@ Manifest parse_manifest(const json& j, const fs::path& file) {
           f.shape.push_back(get_value<int64_t>(d, "shape", file));
       }
       if (e.contains("classes")) f.classes = get<std::vector<std::string>>(e, "classes", file);
+      if (e.contains("ragged")) f.ragged = get<bool>(e, "ragged", file);
       m.schema.push_back(std::move(f));
     }
+    if (j.contains("layout")) m.layout = format::parse_layout(get<std::string>(j, "layout", file));
+    const std::string bad = layout::check_schema(m.layout, m.schema);
+    LOOM_CHECK(bad.empty(), CorruptData, file.string(), ": ", bad);
   }
   if (m.format_version >= 2) parse_format2(j, file, m);
   return m;

@@ -50,12 +50,17 @@ void format1_to_2(const fs::path& dir, Manifest& m, const ProgressFn& progress) 
   }
 }
 
+// Format 2 -> 3: nothing to add. Format 3 only allows what format 2 could not describe
+// (image fields, ragged tensors, record layouts); the new number keeps older Looms, which
+// would misread such a manifest, from opening it.
+void format2_to_3(const fs::path&, Manifest&, const ProgressFn&) {}
+
 using Step = std::function<void(const fs::path&, Manifest&, const ProgressFn&)>;
 
 // steps[v - 1] takes a manifest of format v to format v + 1.
 const std::vector<Step>& steps() {
-  static const std::vector<Step> all = {format1_to_2};
-  static_assert(Manifest::kFormatVersion == 2, "add the migration step of the new format");
+  static const std::vector<Step> all = {format1_to_2, format2_to_3};
+  static_assert(Manifest::kFormatVersion == 3, "add the migration step of the new format");
   return all;
 }
 

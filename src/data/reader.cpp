@@ -14,25 +14,19 @@
 #include <thread>
 
 #include "data/chunk_check.h"
+#include "data/collate.h"
+#include "data/layout.h"
 #include "data/manifest.h"
 #include "data/shard_format.h"
 #include "loom/data/cache.h"
 #include "loom/data/registry.h"
 #include "loom/error.h"
-#include "util/dtype.h"
 #include "util/hash.h"
 
 namespace loom::data {
 namespace {
 
 namespace fs = std::filesystem;
-
-at::ScalarType scalar_type(const std::string& dtype) {
-  const std::optional<at::ScalarType> type = util::dtype_of(dtype);
-  LOOM_CHECK(type.has_value(), CorruptData, "the dataset's manifest names tensor dtype '", dtype,
-             "', which this Loom does not read");
-  return *type;
-}
 
 // Index of the shard holding global item `i`, given each shard's first item (begins[0] == 0).
 size_t shard_of(const std::vector<uint64_t>& begins, uint64_t i) {
@@ -110,7 +104,14 @@ class Source {
       }
     } else {
       num_samples_ = begin;
+      const bool episodes = manifest_.layout == RecordLayout::kEpisodes;
+      LOOM_CHECK(options.episode_sampling == EpisodeSampling::kEpisode || episodes, InvalidArgument,
+                 "transition sampling reads episode datasets; ", location, " has the ",
+                 to_string(manifest_.layout), " layout");
+      if (episodes && options.episode_sampling == EpisodeSampling::kTransition) index_episodes();
     }
+    LOOM_CHECK(options.image_channels >= 0 && options.image_channels <= 4, InvalidArgument,
+               "image_channels must be 0 (as stored) or 1 to 4, got ", options.image_channels);
     LOOM_CHECK(num_samples_ >= 1, InvalidArgument, location, " holds no samples");
   }
 
@@ -129,7 +130,7 @@ class Source {
     std::vector<size_t> out;
     for (uint64_t i : indices) {
       if (!is_tokens()) {
-        out.push_back(shard_of(begins_, i));
+        out.push_back(shard_of(begins_, record_of(i).first));
       } else if (options_.sampling == TokenSampling::kDocument) {
         out.push_back(shard_of(doc_begins_, i));
       } else {
@@ -339,65 +340,67 @@ class Source {
     batch.tensors["tokens"] = tokens;
   }
 
+  // The record and step of sample i of a record dataset: a transition (episode_steps_ set) or
+  // a whole record (step -1).
+  std::pair<uint64_t, int64_t> record_of(uint64_t i) const {
+    if (episode_steps_.empty()) return {i, -1};
+    const size_t e = shard_of(episode_steps_, i);
+    return {e, static_cast<int64_t>(i - episode_steps_[e])};
+  }
+
   void read_records(const std::vector<uint64_t>& indices, const Held& held, Batch& batch) const {
     const auto& schema = manifest_.schema;
-    const int64_t rows = static_cast<int64_t>(indices.size());
     const size_t width = schema.size();
     std::vector<format::FieldView> all(indices.size() * width);
-    auto views = [&](size_t r) { return all.data() + r * width; };
+    std::vector<collate::Row> rows(indices.size());
+    std::vector<std::pair<const format::RecordShard*, uint64_t>> where(indices.size());
     for (size_t r = 0; r < indices.size(); ++r) {
-      const size_t s = shard_of(begins_, indices[r]);
-      const uint64_t local = indices[r] - begins_[s];
+      const auto [record, step] = record_of(indices[r]);
+      const size_t s = shard_of(begins_, record);
+      const uint64_t local = record - begins_[s];
       const format::RecordShard& shard = *held[s].records;
-      auto [p, n] = shard.payload(local);
-      const std::string bad = format::decode_record(schema, p, n, views(r));
-      LOOM_CHECK(bad.empty(), CorruptData, "record ", local, " of shard ",
-                 shard.file().path().string(), " (byte offset ", shard.offset(local),
-                 ") is malformed: ", bad, "; run `loom data verify`");
+      decode(shard, local, all.data() + r * width);
+      rows[r] = {all.data() + r * width, step, record};
+      where[r] = {&shard, local};
     }
-    for (size_t f = 0; f < schema.size(); ++f) {
-      const Field& field = schema[f];
-      switch (field.type) {
-        case FieldType::kInt:
-        case FieldType::kFloat: {
-          const bool is_int = field.type == FieldType::kInt;
-          at::Tensor t = at::empty({rows}, is_int ? at::kLong : at::kDouble);
-          if (is_int) {
-            int64_t* out = t.data_ptr<int64_t>();
-            for (int64_t r = 0; r < rows; ++r) out[r] = views(r)[f].integer;
-          } else {
-            double* out = t.data_ptr<double>();
-            for (int64_t r = 0; r < rows; ++r) out[r] = views(r)[f].real;
-          }
-          batch.tensors[field.name] = t;
-          break;
-        }
-        case FieldType::kText:
-        case FieldType::kBytes: {
-          auto& out = batch.strings[field.name];
-          for (int64_t r = 0; r < rows; ++r) {
-            out.emplace_back(reinterpret_cast<const char*>(views(r)[f].data), views(r)[f].size);
-          }
-          break;
-        }
-        case FieldType::kTensor: {
-          const format::FieldView& first = views(0)[f];
-          std::vector<int64_t> full{rows};
-          full.insert(full.end(), first.dims, first.dims + first.ndim);
-          at::Tensor t = at::empty(full, scalar_type(field.dtype));
-          auto* out = static_cast<uint8_t*>(t.data_ptr());
-          const size_t row_bytes = views(0)[f].size;
-          for (int64_t r = 0; r < rows; ++r) {
-            LOOM_CHECK(views(r)[f].same_shape(first), InvalidArgument, "tensor field '", field.name,
-                       "' has different shapes within one batch (samples ", indices[0], " and ",
-                       indices[r], "); only equal shapes can be stacked");
-            std::memcpy(out + r * row_bytes, views(r)[f].data, row_bytes);
-          }
-          batch.tensors[field.name] = t;
-          break;
-        }
+    collate::records(
+        manifest_, options_, rows,
+        [&](size_t r) { return record_name(*where[r].first, where[r].second); }, batch);
+  }
+
+  static std::string record_name(const format::RecordShard& shard, uint64_t local) {
+    return detail::concat("record ", local, " of shard ", shard.file().path().string(),
+                          " (byte offset ", shard.offset(local), ")");
+  }
+
+  // Record `local` of `shard`, checked against its checksum and decoded into views[0, fields).
+  void decode(const format::RecordShard& shard, uint64_t local, format::FieldView* views) const {
+    auto [p, n] = shard.payload(local);
+    const std::string bad = format::decode_record(manifest_.schema, p, n, views);
+    LOOM_CHECK(bad.empty(), CorruptData, record_name(shard, local), " is malformed: ", bad,
+               "; run `loom data verify`");
+  }
+
+  // Transition sampling: the first step of every episode (record), from every record's length.
+  void index_episodes() {
+    const layout::EpisodeFields f = layout::episode_fields(manifest_.schema);
+    std::vector<format::FieldView> views(manifest_.schema.size());
+    uint64_t steps = 0;
+    for (size_t s = 0; s < manifest_.shards.size(); ++s) {
+      Held held(*this);
+      if (!settled()) held.hold(s);
+      const format::RecordShard& shard = *held[s].records;
+      for (uint64_t i = 0; i < shard.num_records(); ++i) {
+        decode(shard, i, views.data());
+        const std::string bad =
+            layout::check_record(manifest_.layout, manifest_.schema, views.data());
+        LOOM_CHECK(bad.empty(), CorruptData, record_name(shard, i), ": ", bad,
+                   "; run `loom data verify`");
+        episode_steps_.push_back(steps);
+        steps += static_cast<uint64_t>(layout::episode_length(f, views.data()));
       }
     }
+    num_samples_ = steps;
   }
 
   ResolvedDataset dataset_;
@@ -405,6 +408,8 @@ class Source {
   ReaderOptions options_;
   std::vector<uint64_t> begins_;      // first global item (token or record) of each shard
   std::vector<uint64_t> doc_begins_;  // token datasets: first global document of each shard
+  // Transition sampling: the first global step of each episode (record).
+  std::vector<uint64_t> episode_steps_;
   uint64_t num_samples_ = 0;
   // Remote datasets: the node cache, and the tokenizer files pinned for the reader's life.
   std::unique_ptr<NodeCache> cache_;

@@ -52,28 +52,34 @@ size_t dtype_size(const std::string& dtype) {
   return c10::elementSize(*type);
 }
 
-const char* field_type_name(FieldType type) {
-  switch (type) {
-    case FieldType::kBytes:
-      return "bytes";
-    case FieldType::kText:
-      return "text";
-    case FieldType::kInt:
-      return "int";
-    case FieldType::kFloat:
-      return "float";
-    case FieldType::kTensor:
-      return "tensor";
-  }
-  return "?";
-}
-
 FieldType parse_field_type(const std::string& name) {
   for (FieldType t : {FieldType::kBytes, FieldType::kText, FieldType::kInt, FieldType::kFloat,
-                      FieldType::kTensor}) {
-    if (name == field_type_name(t)) return t;
+                      FieldType::kTensor, FieldType::kImage, FieldType::kImages}) {
+    if (name == to_string(t)) return t;
   }
   throw CorruptData("unknown field type '" + name + "' in the manifest's schema");
+}
+
+RecordLayout parse_layout(const std::string& name) {
+  for (RecordLayout l :
+       {RecordLayout::kPlain, RecordLayout::kMultimodal, RecordLayout::kEpisodes}) {
+    if (name == to_string(l)) return l;
+  }
+  throw CorruptData("unknown record layout '" + name +
+                    "' in the manifest; this Loom reads plain, multimodal and episodes");
+}
+
+std::vector<std::pair<const uint8_t*, size_t>> list_items(const FieldView& view) {
+  std::vector<std::pair<const uint8_t*, size_t>> out;
+  out.reserve(static_cast<size_t>(view.integer));
+  const uint8_t* p = view.data;
+  for (int64_t k = 0; k < view.integer; ++k) {
+    uint32_t n;
+    std::memcpy(&n, p, 4);  // decode_record checked every length against the record
+    out.emplace_back(p + 4, n);
+    p += 4 + size_t{n};
+  }
+  return out;
 }
 
 void encode_record(const std::vector<Field>& schema, const Record& record, std::string& out) {
@@ -84,8 +90,8 @@ void encode_record(const std::vector<Field>& schema, const Record& record, std::
     const Field& field = schema[i];
     const Record::Value& value = values[i];
     LOOM_CHECK(value.type == field.type, InvalidArgument, "field '", field.name, "' is ",
-               field_type_name(field.type), " in the schema but the record gives ",
-               field_type_name(value.type));
+               to_string(field.type), " in the schema but the record gives ",
+               to_string(value.type));
     switch (field.type) {
       case FieldType::kInt:
         append_pod(out, value.integer);
@@ -95,16 +101,30 @@ void encode_record(const std::vector<Field>& schema, const Record& record, std::
         break;
       case FieldType::kBytes:
       case FieldType::kText:
+      case FieldType::kImage:
         LOOM_CHECK(value.bytes.size() <= UINT32_MAX, InvalidArgument, "field '", field.name,
                    "' holds ", value.bytes.size(), " bytes; at most 4 GiB per value");
         append_pod(out, static_cast<uint32_t>(value.bytes.size()));
         out += value.bytes;
+        break;
+      case FieldType::kImages:
+        LOOM_CHECK(value.items.size() <= UINT32_MAX, InvalidArgument, "field '", field.name,
+                   "' holds ", value.items.size(), " images; at most 2^32 - 1");
+        append_pod(out, static_cast<uint32_t>(value.items.size()));
+        for (const std::string& item : value.items) {
+          LOOM_CHECK(item.size() <= UINT32_MAX, InvalidArgument, "field '", field.name,
+                     "' holds an image of ", item.size(), " bytes; at most 4 GiB per image");
+          append_pod(out, static_cast<uint32_t>(item.size()));
+          out += item;
+        }
         break;
       case FieldType::kTensor: {
         int64_t numel = 1;
         for (int64_t d : value.shape) numel *= d;
         LOOM_CHECK(field.shape.empty() || field.shape == value.shape, InvalidArgument, "field '",
                    field.name, "' has a fixed shape in the schema; the record's differs");
+        LOOM_CHECK(!field.ragged || !value.shape.empty(), InvalidArgument, "field '", field.name,
+                   "' is ragged but the record gives a scalar; it needs a first dimension");
         LOOM_CHECK(static_cast<size_t>(numel) * dtype_size(field.dtype) == value.bytes.size(),
                    InvalidArgument, "field '", field.name, "': ", value.bytes.size(),
                    " bytes do not hold ", numel, " ", field.dtype, " elements");
@@ -140,12 +160,30 @@ std::string decode_record(const std::vector<Field>& schema, const uint8_t* paylo
           std::memcpy(&view.real, p, 8);
         break;
       case FieldType::kBytes:
-      case FieldType::kText: {
+      case FieldType::kText:
+      case FieldType::kImage: {
         uint32_t n;
         if (!(p = take(4))) return "field '" + field.name + "' runs past the record";
         std::memcpy(&n, p, 4);
         if (!(view.data = take(n))) return "field '" + field.name + "' runs past the record";
         view.size = n;
+        break;
+      }
+      case FieldType::kImages: {
+        uint32_t count;
+        if (!(p = take(4))) return "field '" + field.name + "' runs past the record";
+        std::memcpy(&count, p, 4);
+        view.data = payload + at;
+        view.integer = count;
+        for (uint32_t k = 0; k < count; ++k) {
+          uint32_t n = 0;
+          if ((p = take(4))) std::memcpy(&n, p, 4);
+          if (!p || !take(n)) {
+            return "field '" + field.name + "' image " + std::to_string(k) +
+                   " runs past the record";
+          }
+        }
+        view.size = static_cast<size_t>(payload + at - view.data);
         break;
       }
       case FieldType::kTensor: {
@@ -169,6 +207,7 @@ std::string decode_record(const std::vector<Field>& schema, const uint8_t* paylo
             !std::equal(field.shape.begin(), field.shape.end(), view.dims, view.dims + ndim)) {
           return "field '" + field.name + "' does not have the schema's shape";
         }
+        if (field.ragged && ndim == 0) return "ragged field '" + field.name + "' is a scalar";
         view.size = numel * dtype_size(field.dtype);
         if (!(view.data = take(view.size)))
           return "field '" + field.name + "' runs past the record";

@@ -67,8 +67,8 @@ inline uint32_t token_bytes_for(uint64_t vocab_size) { return vocab_size <= 6553
 
 // Bytes per element of a tensor field's dtype name; InvalidArgument for an unknown name.
 size_t dtype_size(const std::string& dtype);
-const char* field_type_name(FieldType type);
 FieldType parse_field_type(const std::string& name);  // CorruptData when unknown
+RecordLayout parse_layout(const std::string& name);   // CorruptData when unknown
 
 // Appends the payload of `record` (without its checksum) to `out`. InvalidArgument when the
 // record does not match the schema.
@@ -78,9 +78,9 @@ void encode_record(const std::vector<Field>& schema, const Record& record, std::
 // memory), so a batch decodes without allocating per record.
 struct FieldView {
   static constexpr uint32_t kMaxDims = 8;
-  const uint8_t* data = nullptr;  // kBytes, kText, kTensor
+  const uint8_t* data = nullptr;  // kBytes, kText, kTensor, kImage; kImages: the encoded list
   size_t size = 0;
-  int64_t integer = 0;
+  int64_t integer = 0;  // kInt; kImages: how many images
   double real = 0;
   uint32_t ndim = 0;         // kTensor
   int64_t dims[kMaxDims]{};  // kTensor: the first ndim are the shape
@@ -89,6 +89,9 @@ struct FieldView {
     return ndim == o.ndim && std::memcmp(dims, o.dims, ndim * sizeof(int64_t)) == 0;
   }
 };
+
+// The images of a kImages view, each as its encoded bytes.
+std::vector<std::pair<const uint8_t*, size_t>> list_items(const FieldView& view);
 
 // Decodes a payload into views out[0, schema.size()). Returns "" or what is malformed.
 std::string decode_record(const std::vector<Field>& schema, const uint8_t* payload, size_t size,

@@ -506,13 +506,13 @@ TEST(DataCli, MigrateKeepsFormat1DatasetsReadingTheSame) {
   ProgramResult r = loom_in({"data", "migrate", "records"}, dir.path());
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output,
-                       "migrated records from format 1 to 2; content version "
+                       "migrated records from format 1 to 3; content version "
                        "f9b2ba64c56eac6c kept\n"))
       << r.output;
   EXPECT_EQ(loom_in(show_records, dir.path()).output, records_shown);
   r = loom_in({"data", "migrate", "records"}, dir.path());
   EXPECT_TRUE(contains(r.output,
-                       "records is already format 2; nothing to do (version "
+                       "records is already format 3; nothing to do (version "
                        "f9b2ba64c56eac6c)\n"))
       << r.output;
 
@@ -520,7 +520,7 @@ TEST(DataCli, MigrateKeepsFormat1DatasetsReadingTheSame) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   const std::string version = read_manifest(dir / "tokens").version;
   EXPECT_TRUE(contains(r.output,
-                       "migrated tokens from format 1 to 2; content version "
+                       "migrated tokens from format 1 to 3; content version "
                        "5418a01a453035ea -> " +
                            version))
       << r.output;

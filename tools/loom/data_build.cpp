@@ -394,6 +394,9 @@ int build_jsonl(const JsonlArgs& args) {
                  field.name, "\" holds an integer beyond int64's range (at most ",
                  std::numeric_limits<int64_t>::max(), "); store it as a string or a float");
       switch (field.type) {
+        case data::FieldType::kImage:
+        case data::FieldType::kImages:
+          throw std::logic_error("infer_field never makes an image field");
         case data::FieldType::kText:
           record.text(v.get<std::string>());
           break;

@@ -32,22 +32,6 @@ struct ServeArgs {
   bool public_address = false;
 };
 
-const char* type_name(data::FieldType type) {
-  switch (type) {
-    case data::FieldType::kText:
-      return "text";
-    case data::FieldType::kBytes:
-      return "bytes";
-    case data::FieldType::kInt:
-      return "int";
-    case data::FieldType::kFloat:
-      return "float";
-    case data::FieldType::kTensor:
-      return "tensor";
-  }
-  return "?";
-}
-
 // A tensor field's value: dtype, shape and its first 65536 elements (all of an image).
 json tensor_json(const data::Field& field, const at::Tensor& t) {
   const at::Tensor flat = t.flatten().to(at::kDouble).contiguous();
@@ -126,7 +110,7 @@ json dataset_json(const DataPosition& at) {
   json schema = json::array();
   for (const data::Field& f : m.schema) {
     schema.push_back({{"name", f.name},
-                      {"type", type_name(f.type)},
+                      {"type", data::to_string(f.type)},
                       {"dtype", f.dtype},
                       {"shape", f.shape},
                       {"classes", f.classes}});
@@ -221,7 +205,7 @@ json stats_json(const DataPosition& at) {
     }
   }
   for (const data::Field& f : m.schema) {
-    json field = {{"name", f.name}, {"type", type_name(f.type)}};
+    json field = {{"name", f.name}, {"type", data::to_string(f.type)}};
     if (f.type == data::FieldType::kInt || f.type == data::FieldType::kTensor) {
       json c = json::array();
       for (const auto& [key, n] : counts[f.name]) c.push_back({{"key", key}, {"count", n}});

@@ -3,7 +3,10 @@
 //   - token datasets, for pretraining: documents of token ids (uint16 or uint32 on disk,
 //     chosen by the vocabulary size), read through mmap;
 //   - record datasets, for everything else: records of named, typed fields (bytes, tensor,
-//     text, int, float), each record with its own xxHash64, with an index for O(1) access.
+//     text, int, float, images), each record with its own xxHash64, with an index for O(1)
+//     access. A record dataset may declare a layout that gives its fields a meaning the
+//     viewers and the Reader use: multimodal sequences (tokens with images in place) or RL
+//     episodes (observation, action, reward, done per step).
 // The manifest lists every shard with its size, xxHash64 and per-chunk xxHash64s, and the
 // tokenizer files with their sizes and hashes; the dataset version is a hash of the content
 // the manifest describes, so it names the content. docs/data-format.md has the byte layouts,
@@ -31,7 +34,11 @@ enum class FieldType {
   kInt,     // a signed 64-bit integer
   kFloat,   // a 64-bit float
   kTensor,  // a dense tensor: dtype from the schema, shape from the schema or per record
+  kImage,   // one image, stored encoded (PNG, JPEG or Loom raw), read as uint8 [H, W, C]
+  kImages,  // a list of zero or more such images (the images of a multimodal sequence)
 };
+// "bytes", "text", "int", "float", "tensor", "image", "images": the names the manifest uses.
+LOOM_API const char* to_string(FieldType type);
 
 struct Field {
   std::string name;
@@ -39,7 +46,26 @@ struct Field {
   std::string dtype;           // kTensor only: uint8, int32, int64, float32, float64, bfloat16
   std::vector<int64_t> shape;  // kTensor only: the shape every record has; empty = per record
   std::vector<std::string> classes;  // kInt only, optional: names of the values 0, 1, ...
+  // kTensor with a per-record shape only: records differ in their first dimension (a sequence
+  // length; the other dimensions are the same in every record). A batch pads the first
+  // dimension to the batch's longest with zeros and adds "<name>_mask", bool [B, L].
+  bool ragged = false;
 };
+
+// What a record dataset's fields mean beyond their types (docs/data-format.md).
+enum class RecordLayout {
+  kPlain,  // no convention
+  // Interleaved text and images: "tokens" (ragged int32 or int64 [L]), "images" (kImages) and
+  // "image_positions" (ragged int64 [N]): image k sits before token image_positions[k]
+  // (non-decreasing, at most L), one position per image.
+  kMultimodal,
+  // One RL episode per record, every step's values along the first dimension of ragged
+  // tensors of equal length T >= 1: "observation" [T, ...], "action" [T, ...], "reward"
+  // float32 [T], "done" uint8 or bool [T], and optionally "log_prob" and "value" float32 [T].
+  kEpisodes,
+};
+// "plain", "multimodal", "episodes".
+LOOM_API const char* to_string(RecordLayout layout);
 
 // One shard file as the manifest records it.
 struct ShardInfo {
@@ -63,8 +89,9 @@ struct FileInfo {
 struct LOOM_API Manifest {
   // The manifest format this Loom writes; it reads every version from kOldestFormatVersion.
   // 1: shards with whole-file hashes. 2: adds per-chunk hashes, tokenizer files and a hash of
-  // the whole manifest. Shard files are format 1 in both.
-  static constexpr int kFormatVersion = 2;
+  // the whole manifest. 3: adds image fields, ragged tensors and record layouts. Shard files
+  // are format 1 in all.
+  static constexpr int kFormatVersion = 3;
   static constexpr int kOldestFormatVersion = 1;
   static constexpr uint64_t kDefaultChunkBytes = uint64_t{1} << 20;
 
@@ -88,6 +115,7 @@ struct LOOM_API Manifest {
   std::vector<FileInfo> tokenizer_files;
   // Record datasets.
   std::vector<Field> schema;
+  RecordLayout layout = RecordLayout::kPlain;
   // Free-form description (source files, builder); part of the version.
   std::string description;
 
@@ -117,13 +145,19 @@ class LOOM_API Record {
   Record& real(double value);
   // A tensor field: its raw little-endian element bytes and its shape.
   Record& tensor(const void* data, size_t nbytes, std::vector<int64_t> shape);
+  // An image field: the bytes of a PNG, JPEG or Loom raw image (data/image_codec.h), stored
+  // as given; the writer decodes it once to check it.
+  Record& image(std::string encoded);
+  // An images field: each element as for image().
+  Record& images(std::vector<std::string> encoded);
 
   struct Value {
     FieldType type;
-    std::string bytes;           // kBytes, kText, kTensor: the data
-    int64_t integer = 0;         // kInt
-    double real = 0;             // kFloat
-    std::vector<int64_t> shape;  // kTensor
+    std::string bytes;               // kBytes, kText, kTensor, kImage: the data
+    int64_t integer = 0;             // kInt
+    double real = 0;                 // kFloat
+    std::vector<int64_t> shape;      // kTensor
+    std::vector<std::string> items;  // kImages: each image's bytes
   };
   const std::vector<Value>& values() const { return values_; }
 
@@ -174,10 +208,15 @@ struct RecordWriterOptions {
   uint64_t bytes_per_shard = 256ull << 20;  // a shard closes once its records reach this size
   uint64_t chunk_bytes = Manifest::kDefaultChunkBytes;  // hashed chunk size, >= 64
   std::string description;
+  RecordLayout layout = RecordLayout::kPlain;  // its field rules are checked on every record
 };
 
-// Writes a record dataset; same guarantees and errors as TokenDatasetWriter. A record whose
-// values do not match the schema (count, types, a fixed tensor shape) is InvalidArgument.
+// Writes a record dataset; same guarantees and errors as TokenDatasetWriter. A schema that
+// does not fit options.layout is InvalidArgument naming the field and the rule; so is a record
+// whose values do not match the schema (count, types, a fixed tensor shape, a ragged field's
+// trailing dimensions) or the layout (episode fields of different lengths, image positions
+// that do not match the images), and an image that does not decode, each naming the record
+// (its number, from 0) and the field.
 class LOOM_API RecordDatasetWriter {
  public:
   RecordDatasetWriter(std::filesystem::path dir, std::vector<Field> schema,

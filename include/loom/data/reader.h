@@ -7,9 +7,22 @@
 // document sampling gives document i, cut to T+1 tokens or filled with pad_id, and a "mask"
 // [B, T+1] bool that is true on real tokens.
 // Record datasets give each field collated over the batch: tensor fields [B, ...shape] in
-// their dtype, int fields [B] int64, float fields [B] float64; text and bytes fields as
-// strings. Every batch also says which samples it holds and how many are real (padding
-// appears only in the last batch of an epoch under EpochEnd::kPad).
+// their dtype (ragged ones padded, with "<name>_mask" [B, L] bool), int fields [B] int64,
+// float fields [B] float64; text and bytes fields as strings. Image fields are decoded:
+// "<name>" uint8 [B, H, W, C] with H and W the batch's largest (smaller images at the top
+// left, zeros around them) and "<name>_size" int64 [B, 2] (each image's height and width);
+// an images field gives [B, N, H, W, C], "<name>_size" [B, N, 2] and "<name>_mask" [B, N]
+// (which of the N slots hold an image). Images of one batch must have the same channels, or
+// options.image_channels converts each (gray to color replicates, color to gray is ITU-R 601
+// luma, alpha is dropped or added opaque).
+// Episode datasets (RecordLayout::kEpisodes) sample whole episodes, collated as ragged fields
+// with "return" float32 [B, T] (the discounted reward to go within the episode) and, when the
+// dataset has "value", "advantage" float32 [B, T] (GAE); or single transitions, where every
+// per-step field loses its step dimension ([B, ...]) and "episode", "step" int64 [B],
+// "return" and "advantage" float32 [B] say where each comes from. Returns and advantages are
+// computed in float64 from the stored floats, so they are the same on every rank and run.
+// Every batch also says which samples it holds and how many are real (padding appears only in
+// the last batch of an epoch under EpochEnd::kPad).
 //
 // The dataset is never loaded into memory: shards are mmapped and each batch reads only its
 // samples. Record checksums are checked on every read; token shards are checked chunk by
@@ -44,6 +57,12 @@ enum class TokenSampling {
   kDocument,  // one document per sample, cut or padded to seq_len + 1
 };
 
+// What one sample of an episode dataset is.
+enum class EpisodeSampling {
+  kEpisode,     // a whole episode
+  kTransition,  // one step of an episode; an epoch visits every step of every episode once
+};
+
 struct ReaderOptions {
   int64_t batch_size = 1;  // samples per rank per step
   int64_t seq_len = 0;     // token datasets: T (samples hold T + 1 tokens)
@@ -53,6 +72,14 @@ struct ReaderOptions {
   int rank = 0;                              // this rank, in [0, world_size)
   int world_size = 1;                        // ranks reading together
   EpochEnd epoch_end = EpochEnd::kDropLast;  // what happens to an epoch's last partial batch
+  // Episode datasets: what a sample is, and the discount and GAE lambda of "return" and
+  // "advantage". Transition sampling reads every episode's length once at open (every record
+  // is read and its checksum checked).
+  EpisodeSampling episode_sampling = EpisodeSampling::kEpisode;
+  double gamma = 0.99;
+  double gae_lambda = 0.95;
+  // Image fields: channels every decoded image is converted to (1, 2, 3 or 4); 0 = as stored.
+  int image_channels = 0;
   int prefetch = 2;            // batches prepared ahead by a background thread; 0 = none
   bool verify_hashes = false;  // hash every shard at open (reads the whole dataset)
   // Token shards: hash each chunk the first time a read touches it (once per chunk per

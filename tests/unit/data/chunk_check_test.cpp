@@ -63,7 +63,7 @@ TEST(ChunkCheck, WritersRecordAHashPerChunk) {
   const fs::path ds = counting_tokens(dir);
   const Manifest m = read_manifest(ds);
   ASSERT_EQ(m.shards.size(), 1u);
-  EXPECT_EQ(m.format_version, 2);
+  EXPECT_EQ(m.format_version, Manifest::kFormatVersion);
   EXPECT_EQ(m.chunk_bytes, kChunk);
   EXPECT_EQ(m.shards[0].bytes, 904u);
   const std::string bytes = [&] {

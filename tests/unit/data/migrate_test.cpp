@@ -1,6 +1,7 @@
-// Format versions: the format 1 datasets kept in tests/data/format-v1 (written by the format 1
-// code) read with today's reader, and migrate_dataset brings them to the current format,
-// keeping the content version when the content identity is unchanged.
+// Format versions: the format 1 and 2 datasets kept in tests/data/format-v1 and format-v2
+// (written by the code of those formats) read with today's reader, and migrate_dataset brings
+// them to the current format, keeping the content version when the content identity is
+// unchanged.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -21,12 +22,14 @@ using testing::error_of;
 using testing::TempDir;
 
 const fs::path kFormat1 = fs::path(LOOM_SOURCE_DIR) / "tests" / "data" / "format-v1";
+const fs::path kFormat2 = fs::path(LOOM_SOURCE_DIR) / "tests" / "data" / "format-v2";
 constexpr char kTokensVersion1[] = "5418a01a453035ea";
 constexpr char kRecordsVersion1[] = "f9b2ba64c56eac6c";
+constexpr char kTokensVersion2[] = "103d5ecfec3871f1";
 
 // A writable copy of a kept dataset.
-fs::path copy_of(const TempDir& dir, const std::string& name) {
-  fs::copy(kFormat1 / name, dir / name, fs::copy_options::recursive);
+fs::path copy_of(const TempDir& dir, const std::string& name, const fs::path& kept = kFormat1) {
+  fs::copy(kept / name, dir / name, fs::copy_options::recursive);
   return dir / name;
 }
 
@@ -74,11 +77,11 @@ TEST(FormatVersions, MigratingRecordsKeepsTheirVersion) {
   const MigrateReport report = migrate_dataset(ds);
   EXPECT_TRUE(report.rewritten);
   EXPECT_EQ(report.from_format, 1);
-  EXPECT_EQ(report.to_format, 2);
+  EXPECT_EQ(report.to_format, 3);
   EXPECT_EQ(report.old_version, kRecordsVersion1);
   EXPECT_EQ(report.new_version, kRecordsVersion1);
   const Manifest m = read_manifest(ds);
-  EXPECT_EQ(m.format_version, 2);
+  EXPECT_EQ(m.format_version, 3);
   EXPECT_EQ(m.version, kRecordsVersion1);
   EXPECT_EQ(m.previous_version, "");
   EXPECT_EQ(m.chunk_bytes, Manifest::kDefaultChunkBytes);
@@ -96,7 +99,7 @@ TEST(FormatVersions, MigratingRecordsKeepsTheirVersion) {
   const std::string manifest = util::read_file(ds / "manifest.json");
   const MigrateReport again = migrate_dataset(ds);
   EXPECT_FALSE(again.rewritten);
-  EXPECT_EQ(again.from_format, 2);
+  EXPECT_EQ(again.from_format, 3);
   EXPECT_EQ(util::read_file(ds / "manifest.json"), manifest);
   EXPECT_TRUE(verify_dataset(ds).ok);
 }
@@ -141,6 +144,56 @@ TEST(FormatVersions, MigratingTokensCoversTheTokenizerAndResumesOldStates) {
   EXPECT_THROW(Vocabulary::of_dataset(ds), CorruptData);
 }
 
+// Format 2 datasets read as format 2 wrote them (tests/data/format-v2/*.show.txt), and migrate
+// to format 3 keeping their version and every shard: format 3 only adds what format 2 could
+// not describe.
+TEST(FormatVersions, Format2DatasetsReadAsTheyWereWrittenAndMigrateKeepingTheirVersion) {
+  TempDir dir;
+  for (const char* name : {"tokens", "records"}) {
+    const fs::path ds = copy_of(dir, name, kFormat2);
+    const Manifest before = read_manifest(ds);
+    EXPECT_EQ(before.format_version, 2);
+    Reader tokens_or_records(ds, {.batch_size = 2, .seq_len = 8, .prefetch = 0});
+    tokens_or_records.next();
+    const Batch b = tokens_or_records.next();
+    if (std::string(name) == "tokens") {
+      EXPECT_EQ(before.version, kTokensVersion2);
+      EXPECT_EQ(b.indices, (std::vector<uint64_t>{176, 154}));
+      EXPECT_EQ(row(b, 0), (std::vector<int64_t>{8, 14, 44, 66, 93, 74, 5, 82, 34}));
+      EXPECT_EQ(row(b, 1), (std::vector<int64_t>{78, 85, 82, 6, 77, 68, 8, 4, 61}));
+      EXPECT_GT(tokens_or_records.chunks_verified(), 0u);
+    } else {
+      EXPECT_EQ(before.version, kRecordsVersion1);
+      EXPECT_EQ(b.indices, (std::vector<uint64_t>{3, 0}));
+      EXPECT_TRUE(at::equal(b["id"], at::tensor({3, 0}, at::kLong)));
+      EXPECT_EQ(b.strings.at("text"),
+                (std::vector<std::string>{"and the earth", "In the beginning"}));
+    }
+    std::vector<std::string> shards;
+    for (const ShardInfo& s : before.shards) shards.push_back(util::read_file(ds / s.file));
+
+    const MigrateReport report = migrate_dataset(ds);
+    EXPECT_TRUE(report.rewritten);
+    EXPECT_EQ(report.from_format, 2);
+    EXPECT_EQ(report.to_format, 3);
+    EXPECT_EQ(report.new_version, before.version);
+    const Manifest after = read_manifest(ds);
+    EXPECT_EQ(after.format_version, 3);
+    EXPECT_EQ(after.version, before.version);
+    EXPECT_EQ(after.previous_version, "");
+    for (size_t i = 0; i < before.shards.size(); ++i) {
+      EXPECT_EQ(after.shards[i].chunk_hashes, before.shards[i].chunk_hashes);
+      EXPECT_EQ(util::read_file(ds / before.shards[i].file), shards[i]);
+    }
+    Reader migrated(ds, {.batch_size = 2, .seq_len = 8, .prefetch = 0});
+    migrated.next();
+    const Batch again = migrated.next();
+    EXPECT_EQ(again.indices, b.indices);
+    for (const auto& [key, t] : b.tensors) EXPECT_TRUE(at::equal(again[key], t)) << key;
+    EXPECT_EQ(again.strings, b.strings);
+  }
+}
+
 TEST(FormatVersions, MigrationRefusesACorruptShardAndChangesNothing) {
   TempDir dir;
   const fs::path ds = copy_of(dir, "tokens");
@@ -167,7 +220,7 @@ TEST(FormatVersions, AnUnknownFormatVersionNamesWhatThisLoomReads) {
   util::write_file_atomic(ds / "manifest.json", text);
   EXPECT_EQ(error_of<CorruptData>([&] { read_manifest(ds); }),
             (ds / "manifest.json").string() +
-                " has format version 9; this Loom reads versions 1 to 2: read it with a newer "
+                " has format version 9; this Loom reads versions 1 to 3: read it with a newer "
                 "Loom, or rebuild it with this one");
 }
 
