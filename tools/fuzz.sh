@@ -24,6 +24,7 @@ declare -A parser=(
   [dataset_manifest]=src/data/manifest.cpp
   [ckpt_manifest]=src/ckpt/manifest.cpp
   [record]=src/data/shard_format.cpp
+  [image]=src/data/image_codec.cpp
   [flight_dump]="src/comm/flight_recorder.cpp tools/loom/flight_diff.cpp"
   [token_shard]=src/data/shard_format.cpp
   [record_shard]=src/data/shard_format.cpp

@@ -16,14 +16,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       {.name = "caption", .type = FieldType::kText},
       {.name = "weight", .type = FieldType::kFloat},
       {.name = "raw", .type = FieldType::kBytes},
-      {.name = "ragged", .type = FieldType::kTensor, .dtype = "float32"},
+      {.name = "ragged", .type = FieldType::kTensor, .dtype = "float32", .ragged = true},
+      {.name = "photo", .type = FieldType::kImage},
+      {.name = "album", .type = FieldType::kImages},
   };
-  loom::data::format::FieldView views[6];
+  loom::data::format::FieldView views[8];
   const std::string problem = loom::data::format::decode_record(schema, data, size, views);
   if (problem.empty()) {
     // A record that decodes is one whose every view lies inside the payload.
     for (const auto& v : views) {
       if (v.data != nullptr && (v.data < data || v.data + v.size > data + size)) __builtin_trap();
+    }
+    // And so is every image of a list.
+    for (const auto& [p, n] : loom::data::format::list_items(views[7])) {
+      if (p < data || p + n > data + size) __builtin_trap();
     }
   }
   return 0;

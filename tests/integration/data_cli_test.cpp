@@ -13,6 +13,7 @@
 #include <thread>
 #include <tuple>
 
+#include "data/image_codec.h"
 #include "harness/harness.h"
 #include "harness/servers.h"
 #include "loom/data/dataset.h"
@@ -644,6 +645,105 @@ TEST(DataCli, InteractiveShowStepsThroughStepsAndRanksInTmux) {
   const ProgramResult no_tty = loom(piped, dir);
   EXPECT_EQ(no_tty.exit_code, 2) << no_tty.output;
   EXPECT_TRUE(contains(no_tty.output, "--interactive needs a terminal")) << no_tty.output;
+}
+
+}  // namespace
+}  // namespace loom::data
+
+namespace loom::data {
+namespace {
+
+// `loom data show` on the new record kinds: an episode (sparklines, the first steps with their
+// returns), a transition, and a multimodal sequence with its images marked in place and drawn.
+// The values are small and exact in binary, so the whole output is compared.
+// What `loom data show` printed from its first sample on (the whole output when it has none).
+std::string from_sample(const std::string& output) {
+  const size_t at = output.find("sample 0");
+  return at == std::string::npos ? output : output.substr(at);
+}
+
+TEST(DataCli, ShowPrintsEpisodesTransitionsAndSequencesWithImages) {
+  TempDir dir;
+  {
+    RecordDatasetWriter writer(dir / "episodes",
+                               {{"observation", FieldType::kTensor, "float32", {}, {}, true},
+                                {"action", FieldType::kTensor, "int64", {}, {}, true},
+                                {"reward", FieldType::kTensor, "float32", {}, {}, true},
+                                {"done", FieldType::kTensor, "uint8", {}, {}, true}},
+                               {.layout = RecordLayout::kEpisodes});
+    const std::vector<float> obs = {0.5, 1, 1.5, 2, 2.5, 3}, reward = {1, 0, 2};
+    const std::vector<int64_t> action = {2, 0, 1};
+    const std::vector<uint8_t> done = {0, 0, 1};
+    writer.add(Record()
+                   .tensor(obs.data(), 24, {3, 2})
+                   .tensor(action.data(), 24, {3})
+                   .tensor(reward.data(), 12, {3})
+                   .tensor(done.data(), 3, {3}));
+    writer.finish();
+  }
+  const std::string episodes = (dir / "episodes").string();
+  ProgramResult r = loom({"data", "show", episodes, "--batch", "1", "--color", "never"}, dir);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(from_sample(r.output),
+            "sample 0: dataset index 0\n"
+            "  episode: 3 steps, total reward 3, return 2.9602\n"
+            "    reward \u2585\u2581\u2588\n"
+            "    return \u2588\u2581\u2581\n"
+            "    step  action  reward  done  return\n"
+            "    0  2  1  0  2.9602\n"
+            "    1  0  0  0  1.98\n"
+            "    2  1  2  1  2\n"
+            "  observation: float32 [3, 2]\n"
+            "    0.5 1 1.5 2 2.5 3 \n"
+            "  action: int64 [3]\n"
+            "    2 0 1 \n"
+            "  reward: float32 [3]\n"
+            "    1 0 2 \n"
+            "  done: uint8 [3]\n"
+            "    0 0 1 \n");
+  r = loom({"data", "show", episodes, "--batch", "1", "--step", "1", "--sampling", "transition",
+            "--color", "never"},
+           dir);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(from_sample(r.output),
+            "sample 0: dataset index 1\n"
+            "  episode 0, step 1: return 1.98\n"
+            "  observation: float32 [2]\n"
+            "    1.5 2 \n"
+            "  action: int64 []\n"
+            "    0 \n"
+            "  reward: float32 []\n"
+            "    0 \n"
+            "  done: uint8 []\n"
+            "    0 \n");
+
+  // A sequence of 3 tokens with a 2x3 image (raw: exact pixels) before its second token.
+  {
+    RecordDatasetWriter writer(dir / "multimodal",
+                               {{"tokens", FieldType::kTensor, "int64", {}, {}, true},
+                                {"images", FieldType::kImages},
+                                {"image_positions", FieldType::kTensor, "int64", {}, {}, true}},
+                               {.layout = RecordLayout::kMultimodal});
+    const std::vector<int64_t> tokens = {5, 6, 7}, positions = {1};
+    const uint8_t pixels[] = {0,   0, 0, 255, 255, 255, 128, 128, 128,
+                              255, 0, 0, 0,   255, 0,   0,   0,   255};
+    writer.add(Record()
+                   .tensor(tokens.data(), 24, {3})
+                   .images({image::encode_raw(pixels, 2, 3, 3)})
+                   .tensor(positions.data(), 8, {1}));
+    writer.finish();
+  }
+  r = loom({"data", "show", (dir / "multimodal").string(), "--batch", "1", "--color", "never"},
+           dir);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  // The image's two rows share one line: luma of black over red ".", white over green "#",
+  // gray over blue ":".
+  EXPECT_EQ(from_sample(r.output),
+            "sample 0: dataset index 0\n"
+            "  sequence: 3 tokens, 1 image\n"
+            "    5 <image 0 2x3> 6 7 \n"
+            "    image 0 [2, 3, 3]\n"
+            "    .#:\n");
 }
 
 }  // namespace

@@ -11,8 +11,10 @@
 #include <csignal>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 #include <thread>
 
+#include "data/image_codec.h"
 #include "harness/harness.h"
 #include "harness/servers.h"
 #include "loom/data/dataset.h"
@@ -216,6 +218,197 @@ TEST(DataServe, TheBrowserShowsRecordsImagesLabelsAndText) {
   EXPECT_EQ(stats["caption"][0], json::parse(R"J(["7 – 7.1", 10])J"));
   EXPECT_EQ(stats["caption"][9], json::parse(R"J(["7.9 – 8", 20])J"));
   for (int b = 1; b < 9; ++b) EXPECT_EQ(stats["caption"][b][1], 0) << b;
+}
+
+// Every canvas pixel of a sample, as RGBA, and the tokens and images of a multimodal sequence
+// in the order the page shows them ("t<id>" for a token, "i<k>" for image k).
+constexpr const char* kReadLayouts = R"JS(
+  const pixels = c => [...c.getContext('2d').getImageData(0, 0, c.width, c.height).data];
+  return [...document.querySelectorAll('.sample')].map(s => {
+    const seq = s.querySelector('.sequence');
+    return {
+      index: Number(s.dataset.index),
+      order: seq ? [...seq.children].map(e => e.tagName === 'CANVAS' ? 'i' + e.dataset.image
+                                                                     : 't' + e.dataset.id) : [],
+      images: seq ? [...seq.querySelectorAll('canvas')].map(pixels) : [],
+      series: Object.fromEntries([...s.querySelectorAll('polyline')].map(
+          l => [l.dataset.series, JSON.parse(l.dataset.values)])),
+      fields: Object.fromEntries([...s.querySelectorAll('td[data-field]')].map(
+          td => [td.dataset.field, td.querySelector('canvas') ? pixels(td.querySelector('canvas'))
+                                                              : td.textContent])),
+    };
+  });
+)JS";
+
+std::vector<double> doubles(const at::Tensor& t) {
+  const at::Tensor d = t.to(at::kDouble).contiguous();
+  return {d.data_ptr<double>(), d.data_ptr<double>() + d.numel()};
+}
+
+// An [H, W, C] image as the RGBA a canvas holds.
+std::vector<int> rgba(const at::Tensor& image) {
+  const at::Tensor hwc = image.contiguous();
+  const int64_t c = hwc.size(2);
+  const uint8_t* p = hwc.data_ptr<uint8_t>();
+  std::vector<int> out;
+  for (int64_t i = 0; i < hwc.size(0) * hwc.size(1); ++i, p += c) {
+    for (int k = 0; k < 3; ++k) out.push_back(c >= 3 ? p[k] : p[0]);
+    out.push_back(c == 2 || c == 4 ? p[c - 1] : 255);
+  }
+  return out;
+}
+
+at::Tensor crop(const Batch& b, const std::string& name, int64_t r, int64_t k) {
+  const at::Tensor size = b[name + "_size"][r][k];
+  return b[name][r][k].narrow(0, 0, size[0].item<int64_t>()).narrow(1, 0, size[1].item<int64_t>());
+}
+
+int64_t real_length(const Batch& b, const std::string& name, int64_t r) {
+  return b[name + "_mask"][r].sum().item<int64_t>();
+}
+
+TEST(DataServe, TheBrowserShowsEpisodePlotsAndSequencesWithImagesInPlace) {
+  if (!testing::Browser::available()) GTEST_SKIP() << "needs chromium and chromium-driver";
+  TempDir dir;
+  // Episodes: observation [T, 2], action [T], reward, done, value [T].
+  const fs::path episodes = dir / "episodes";
+  {
+    RecordDatasetWriter writer(episodes,
+                               {{"observation", FieldType::kTensor, "float32", {}, {}, true},
+                                {"action", FieldType::kTensor, "int64", {}, {}, true},
+                                {"reward", FieldType::kTensor, "float32", {}, {}, true},
+                                {"done", FieldType::kTensor, "uint8", {}, {}, true},
+                                {"value", FieldType::kTensor, "float32", {}, {}, true}},
+                               {.layout = RecordLayout::kEpisodes});
+    std::mt19937 rng(4);
+    for (int e = 0; e < 12; ++e) {
+      const int64_t t = 3 + static_cast<int64_t>(rng() % 12);
+      std::vector<float> obs(static_cast<size_t>(2 * t)), reward(static_cast<size_t>(t)),
+          value(static_cast<size_t>(t));
+      std::vector<int64_t> action(static_cast<size_t>(t));
+      std::vector<uint8_t> done(static_cast<size_t>(t), 0);
+      done.back() = 1;
+      for (auto& v : obs) v = static_cast<float>(rng() % 100) / 10;
+      for (auto& v : reward) v = static_cast<float>(static_cast<int>(rng() % 21) - 10) / 4;
+      for (auto& v : value) v = static_cast<float>(rng() % 50) / 8;
+      for (auto& v : action) v = static_cast<int64_t>(rng() % 3);
+      writer.add(Record()
+                     .tensor(obs.data(), obs.size() * 4, {t, 2})
+                     .tensor(action.data(), action.size() * 8, {t})
+                     .tensor(reward.data(), reward.size() * 4, {t})
+                     .tensor(done.data(), done.size(), {t})
+                     .tensor(value.data(), value.size() * 4, {t}));
+    }
+    writer.finish();
+  }
+  {
+    Served served(dir, {episodes.string(), "--batch", "3", "--seed", "2"});
+    testing::Browser browser;
+    browser.open(served.url("/?rank=0&step=1"));
+    ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
+    browser.screenshot(kScreenshots / "episodes_rank0_step1.png");
+    const json shown = json::parse(browser.run(kReadLayouts));
+    const Batch expected =
+        batch_at(episodes, {.batch_size = 3, .seed = 2, .world_size = 1, .prefetch = 0}, 1);
+    ASSERT_EQ(shown.size(), 3u);
+    for (int64_t r = 0; r < 3; ++r) {
+      EXPECT_EQ(shown[r]["index"], expected.indices[r]);
+      const int64_t n = real_length(expected, "reward", r);
+      for (const char* name : {"reward", "return", "advantage"}) {
+        EXPECT_EQ(shown[r]["series"][name].get<std::vector<double>>(),
+                  doubles(expected[name][r].narrow(0, 0, n)))
+            << name << " of sample " << r;
+      }
+    }
+  }
+  {  // Transitions: where each comes from, and its return.
+    Served served(dir, {episodes.string(), "--batch", "4", "--sampling", "transition"});
+    testing::Browser browser;
+    browser.open(served.url("/?rank=0&step=3"));
+    ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
+    const json shown = json::parse(browser.run(R"JS(
+      return [...document.querySelectorAll('.transition')].map(t => t.textContent);)JS"));
+    const Batch expected = batch_at(episodes,
+                                    {.batch_size = 4,
+                                     .world_size = 1,
+                                     .episode_sampling = EpisodeSampling::kTransition,
+                                     .prefetch = 0},
+                                    3);
+    ASSERT_EQ(shown.size(), 4u);
+    for (int64_t r = 0; r < 4; ++r) {
+      std::ostringstream want;  // as JavaScript prints numbers: the shortest round trip
+      want << "episode " << expected["episode"][r].item<int64_t>() << ", step "
+           << expected["step"][r].item<int64_t>() << ": return "
+           << json(expected["return"][r].item<double>()).dump() << ", advantage "
+           << json(expected["advantage"][r].item<double>()).dump();
+      EXPECT_EQ(shown[r], want.str()) << r;
+    }
+  }
+
+  // Multimodal sequences: tokens with PNG, JPEG and raw images of different sizes in place.
+  const fs::path mm = dir / "multimodal";
+  {
+    RecordDatasetWriter writer(mm,
+                               {{"tokens", FieldType::kTensor, "int32", {}, {}, true},
+                                {"images", FieldType::kImages},
+                                {"image_positions", FieldType::kTensor, "int64", {}, {}, true},
+                                {"caption", FieldType::kText}},
+                               {.layout = RecordLayout::kMultimodal});
+    std::mt19937 rng(6);
+    for (int i = 0; i < 8; ++i) {
+      std::vector<int32_t> tokens(2 + rng() % 6);
+      for (auto& t : tokens) t = static_cast<int32_t>(rng() % 1000);
+      std::vector<std::string> images;
+      std::vector<int64_t> positions;
+      const int count = i == 0 ? 3 : static_cast<int>(rng() % 4);
+      for (int k = 0; k < count; ++k) {
+        const int64_t h = 3 + static_cast<int64_t>(rng() % 6),
+                      w = 3 + static_cast<int64_t>(rng() % 6);
+        std::vector<uint8_t> pixels(static_cast<size_t>(h * w * 3));
+        for (auto& p : pixels) p = static_cast<uint8_t>(rng());
+        images.push_back(k % 3 == 0   ? image::encode_png(pixels.data(), h, w, 3)
+                         : k % 3 == 1 ? image::encode_jpeg(pixels.data(), h, w, 3, 90)
+                                      : image::encode_raw(pixels.data(), h, w, 3));
+        positions.push_back(static_cast<int64_t>(rng() % (tokens.size() + 1)));
+      }
+      std::sort(positions.begin(), positions.end());
+      writer.add(
+          Record()
+              .tensor(tokens.data(), tokens.size() * 4, {static_cast<int64_t>(tokens.size())})
+              .images(images)
+              .tensor(positions.data(), positions.size() * 8,
+                      {static_cast<int64_t>(positions.size())})
+              .text("sequence " + std::to_string(i)));
+    }
+    writer.finish();
+  }
+  Served served(dir, {mm.string(), "--batch", "4", "--seed", "1"});
+  testing::Browser browser;
+  browser.open(served.url("/?rank=0&step=1"));
+  ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
+  browser.screenshot(kScreenshots / "multimodal_rank0_step1.png");
+  const json shown = json::parse(browser.run(kReadLayouts));
+  const Batch expected =
+      batch_at(mm, {.batch_size = 4, .seed = 1, .world_size = 1, .prefetch = 0}, 1);
+  ASSERT_EQ(shown.size(), 4u);
+  for (int64_t r = 0; r < 4; ++r) {
+    EXPECT_EQ(shown[r]["index"], expected.indices[r]);
+    const int64_t tokens = real_length(expected, "tokens", r);
+    const int64_t images = real_length(expected, "images", r);
+    std::vector<std::string> order;
+    std::vector<std::vector<int>> pixels;
+    int64_t k = 0;
+    for (int64_t t = 0; t <= tokens; ++t) {
+      for (; k < images && expected["image_positions"][r][k].item<int64_t>() == t; ++k) {
+        order.push_back("i" + std::to_string(k));
+        pixels.push_back(rgba(crop(expected, "images", r, k)));
+      }
+      if (t < tokens) order.push_back("t" + std::to_string(expected["tokens"][r][t].item<int>()));
+    }
+    EXPECT_EQ(shown[r]["order"].get<std::vector<std::string>>(), order) << r;
+    EXPECT_EQ(shown[r]["images"].get<std::vector<std::vector<int>>>(), pixels) << r;
+    EXPECT_EQ(shown[r]["fields"]["caption"], json(expected.strings.at("caption")[r]).dump());
+  }
 }
 
 TEST(DataServe, BeyondLoopbackItNeedsPublicAndEveryRequestTheToken) {

@@ -3,6 +3,8 @@
 #include <termios.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cctype>
 #include <iostream>
 #include <memory>
@@ -94,6 +96,67 @@ void print_image(std::ostream& out, const at::Tensor& image, const Style& style)
   }
 }
 
+// An [H, W, C] uint8 image (C 1 to 4) as terminal art at most kArtColumns wide: half blocks in
+// 24-bit colour, or an ASCII ramp of its luma two rows per line.
+constexpr int64_t kArtColumns = 64;
+
+void print_color_image(std::ostream& out, const at::Tensor& image, const Style& style) {
+  const at::Tensor hwc = image.contiguous();
+  const int64_t h = hwc.size(0), w = hwc.size(1), c = hwc.size(2);
+  const int64_t stride = (w + kArtColumns - 1) / kArtColumns;  // pixels per column and half row
+  const uint8_t* p = hwc.data_ptr<uint8_t>();
+  auto rgb = [&](int64_t y, int64_t x) -> std::array<int, 3> {
+    if (y >= h) return {0, 0, 0};
+    const uint8_t* px = p + (y * w + x) * c;
+    return c >= 3 ? std::array<int, 3>{px[0], px[1], px[2]}
+                  : std::array<int, 3>{px[0], px[0], px[0]};
+  };
+  const char* ramp = " .:-=+*#%@";
+  for (int64_t y = 0; y < h; y += 2 * stride) {
+    out << "    ";
+    for (int64_t x = 0; x < w; x += stride) {
+      const auto top = rgb(y, x), bottom = rgb(y + stride, x);
+      if (style.color) {
+        out << "\033[38;2;" << top[0] << ";" << top[1] << ";" << top[2] << "m\033[48;2;"
+            << bottom[0] << ";" << bottom[1] << ";" << bottom[2] << "m\u2580";
+      } else {
+        const int luma =
+            (299 * (top[0] + bottom[0]) + 587 * (top[1] + bottom[1]) + 114 * (top[2] + bottom[2])) /
+            2000;
+        out << ramp[luma * 9 / 255];
+      }
+    }
+    out << style.reset() << "\n";
+  }
+}
+
+// Up to `limit` values of a tensor, flattened, and "..." when there are more.
+std::string values_text(const at::Tensor& t, int64_t limit = 16) {
+  const at::Tensor flat = t.flatten().to(at::kDouble);
+  std::ostringstream out;
+  for (int64_t k = 0; k < std::min<int64_t>(limit, flat.numel()); ++k) {
+    out << (k ? " " : "") << flat[k].item<double>();
+  }
+  if (flat.numel() > limit) out << " ...";
+  return out.str();
+}
+
+// One line per value of a per-step series, drawn from the lowest to the highest: ▁ to █.
+std::string sparkline(const at::Tensor& values) {
+  const at::Tensor v = values.to(at::kDouble).contiguous();
+  const double* d = v.data_ptr<double>();
+  const int64_t n = v.numel();
+  if (n == 0) return "";
+  const double lo = *std::min_element(d, d + n), hi = *std::max_element(d, d + n);
+  static const char* const kBars[] = {"\u2581", "\u2582", "\u2583", "\u2584",
+                                      "\u2585", "\u2586", "\u2587", "\u2588"};
+  std::string out;
+  for (int64_t k = 0; k < n; ++k) {
+    out += kBars[hi > lo ? static_cast<int>((d[k] - lo) / (hi - lo) * 7 + 0.5) : 3];
+  }
+  return out;
+}
+
 void print_tokens(std::ostream& out, const at::Tensor& row, const at::Tensor& mask,
                   const data::Vocabulary* vocab, const Style& style, bool ids) {
   std::string line = "    ";
@@ -139,20 +202,79 @@ void print_record_field(std::ostream& out, const data::Field& field, const data:
       out << batch[field.name][r].item<double>() << "\n";
       return;
     case data::FieldType::kTensor: {
-      const at::Tensor t = batch[field.name][r];
+      const at::Tensor t = unpadded(batch, field.name, r);
       out << field.dtype << " " << t.sizes() << "\n";
       if (t.dim() == 2 && t.scalar_type() == at::kByte) {
         print_image(out, t, style);
-      } else {
-        const at::Tensor flat = t.flatten().to(at::kDouble);
-        out << "    ";
-        for (int64_t k = 0; k < std::min<int64_t>(16, flat.numel()); ++k)
-          out << flat[k].item<double>() << " ";
-        out << (flat.numel() > 16 ? "..." : "") << "\n";
+      } else {  // each value then a space, as every earlier Loom printed it
+        out << "    " << values_text(t) << (t.numel() > 0 && t.numel() <= 16 ? " " : "") << "\n";
+      }
+      return;
+    }
+    case data::FieldType::kImage: {
+      const at::Tensor image = image_of(batch, field.name, r);
+      out << "image " << image.sizes() << "\n";
+      print_color_image(out, image, style);
+      return;
+    }
+    case data::FieldType::kImages: {
+      const at::Tensor mask = batch[field.name + "_mask"][r];
+      const int64_t n = mask.sum().item<int64_t>();
+      out << n << " image" << (n == 1 ? "" : "s") << "\n";
+      for (int64_t k = 0; k < n; ++k) {
+        const at::Tensor image = image_of(batch, field.name, r, k);
+        out << "    image " << k << " " << image.sizes() << "\n";
+        print_color_image(out, image, style);
       }
       return;
     }
   }
+}
+
+// A multimodal sequence: its token ids with each image's place marked, then the images.
+void print_sequence(std::ostream& out, const data::Batch& batch, int64_t r, const Style& style) {
+  const at::Tensor tokens = unpadded(batch, "tokens", r).to(at::kLong);
+  const at::Tensor positions = unpadded(batch, "image_positions", r);
+  out << "  sequence: " << tokens.size(0) << " tokens, " << positions.size(0)
+      << (positions.size(0) == 1 ? " image" : " images") << "\n    ";
+  int64_t k = 0;
+  for (int64_t t = 0; t <= tokens.size(0); ++t) {
+    for (; k < positions.size(0) && positions[k].item<int64_t>() == t; ++k) {
+      const at::Tensor image = image_of(batch, "images", r, k);
+      out << style.bold("<image " + std::to_string(k) + " " + std::to_string(image.size(0)) + "x" +
+                        std::to_string(image.size(1)) + ">")
+          << " ";
+    }
+    if (t < tokens.size(0)) out << tokens[t].item<int64_t>() << " ";
+  }
+  out << "\n";
+  for (k = 0; k < positions.size(0); ++k) {
+    const at::Tensor image = image_of(batch, "images", r, k);
+    out << "    image " << k << " " << image.sizes() << "\n";
+    print_color_image(out, image, style);
+  }
+}
+
+// A whole episode: its length, per-step reward and return (and advantage) as sparklines, and
+// the first steps as a table.
+void print_episode(std::ostream& out, const data::Batch& batch, int64_t r) {
+  const at::Tensor reward = unpadded(batch, "reward", r);
+  const int64_t n = reward.size(0);
+  const at::Tensor ret = batch["return"][r].narrow(0, 0, n);
+  const bool has_advantage = batch.tensors.count("advantage") > 0;
+  out << "  episode: " << n << " steps, total reward " << reward.sum().item<double>() << ", return "
+      << ret[0].item<double>() << "\n"
+      << "    reward " << sparkline(reward) << "\n"
+      << "    return " << sparkline(ret) << "\n";
+  out << "    step  action  reward  done  return" << (has_advantage ? "  advantage" : "") << "\n";
+  const at::Tensor action = unpadded(batch, "action", r), done = unpadded(batch, "done", r);
+  for (int64_t t = 0; t < std::min<int64_t>(n, 8); ++t) {
+    out << "    " << t << "  " << values_text(action[t], 4) << "  " << reward[t].item<double>()
+        << "  " << done[t].to(at::kLong).item<int64_t>() << "  " << ret[t].item<double>();
+    if (has_advantage) out << "  " << batch["advantage"][r][t].item<double>();
+    out << "\n";
+  }
+  if (n > 8) out << "    ... " << n - 8 << " more steps\n";
 }
 
 // The samples rank `rank` reads at `step`, as `loom data show` prints them.
@@ -178,8 +300,26 @@ void print_show(std::ostream& out, const ShowArgs& args, int rank, uint64_t step
     if (m.kind == data::DatasetKind::kTokens) {
       const auto mask = batch.tensors.count("mask") ? batch["mask"][r] : at::Tensor();
       print_tokens(out, batch["tokens"][r], mask, vocab.get(), style, args.ids);
-    } else {
-      for (const data::Field& field : m.schema) print_record_field(out, field, batch, r, style);
+      continue;
+    }
+    const bool transitions = batch.tensors.count("step") > 0;
+    if (transitions) {
+      out << "  episode " << batch["episode"][r].item<int64_t>() << ", step "
+          << batch["step"][r].item<int64_t>() << ": return " << batch["return"][r].item<double>();
+      if (batch.tensors.count("advantage")) {
+        out << ", advantage " << batch["advantage"][r].item<double>();
+      }
+      out << "\n";
+    } else if (m.layout == data::RecordLayout::kEpisodes) {
+      print_episode(out, batch, r);
+    } else if (m.layout == data::RecordLayout::kMultimodal) {
+      print_sequence(out, batch, r, style);
+    }
+    for (const data::Field& field : m.schema) {
+      const bool shown =
+          m.layout == data::RecordLayout::kMultimodal &&
+          (field.name == "tokens" || field.name == "images" || field.name == "image_positions");
+      if (!shown) print_record_field(out, field, batch, r, style);
     }
   }
 }
@@ -307,12 +447,30 @@ void add_position_options(CLI::App& s, DataPosition& p) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   s.add_option("--seed", p.seed, "the run's data seed")->capture_default_str();
-  s.add_option("--sampling", p.sampling, "token datasets: packed or document")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"packed", "document"}));
+  s.add_option("--sampling", p.sampling,
+               "token datasets: packed (default) or document; episode datasets: episode "
+               "(default) or transition")
+      ->check(CLI::IsMember({"packed", "document", "episode", "transition"}));
   s.add_option("--epoch-end", p.epoch_end, "drop or pad")
       ->capture_default_str()
       ->check(CLI::IsMember({"drop", "pad"}));
+  s.add_option("--image-channels", p.image_channels,
+               "convert every image to this many channels (1-4); 0: as stored")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4));
+}
+
+at::Tensor unpadded(const data::Batch& batch, const std::string& name, int64_t r) {
+  const at::Tensor row = batch[name][r];
+  const auto mask = batch.tensors.find(name + "_mask");
+  if (mask == batch.tensors.end()) return row;
+  return row.narrow(0, 0, mask->second[r].sum().item<int64_t>());
+}
+
+at::Tensor image_of(const data::Batch& batch, const std::string& name, int64_t r, int64_t k) {
+  const at::Tensor size = k < 0 ? batch[name + "_size"][r] : batch[name + "_size"][r][k];
+  const at::Tensor image = k < 0 ? batch[name][r] : batch[name][r][k];
+  return image.narrow(0, 0, size[0].item<int64_t>()).narrow(1, 0, size[1].item<int64_t>());
 }
 
 std::unique_ptr<data::Reader> reader_at(const DataPosition& p, int rank, uint64_t step) {
@@ -327,8 +485,22 @@ std::unique_ptr<data::Reader> reader_at(const DataPosition& p, int rank, uint64_
       .rank = rank,
       .world_size = p.world,
       .epoch_end = p.epoch_end == "pad" ? data::EpochEnd::kPad : data::EpochEnd::kDropLast,
+      .episode_sampling = p.sampling == "transition" ? data::EpisodeSampling::kTransition
+                                                     : data::EpisodeSampling::kEpisode,
+      .image_channels = p.image_channels,
       .prefetch = 0};
   auto reader = std::make_unique<data::Reader>(p.dir, options);
+  const data::Manifest& m = reader->manifest();
+  const bool tokens = m.kind == data::DatasetKind::kTokens;
+  const bool episodes = m.layout == data::RecordLayout::kEpisodes;
+  LOOM_CHECK(p.sampling.empty() ||
+                 (tokens ? p.sampling == "packed" || p.sampling == "document"
+                         : episodes && (p.sampling == "episode" || p.sampling == "transition")),
+             InvalidArgument, "--sampling ", p.sampling, " does not apply to ", p.dir, " (",
+             tokens     ? "a token dataset: packed or document"
+             : episodes ? "an episode dataset: episode or transition"
+                        : "a record dataset: leave it out",
+             ")");
   const uint64_t steps = reader->steps_per_epoch();
   const uint64_t global_batch = static_cast<uint64_t>(p.batch) * static_cast<uint64_t>(p.world);
   reader->restore({reader->manifest().version, p.seed, step / steps, step % steps * global_batch});

@@ -18,12 +18,20 @@ struct DataPosition {
   int64_t batch = 4;
   int64_t seq_len = 64;
   uint64_t seed = 0;
-  std::string sampling = "packed";
+  std::string sampling;  // "": packed (tokens) or episode (episodes)
   std::string epoch_end = "drop";
+  int image_channels = 0;
 };
 
-// Adds DataPosition's options (--world, --batch, --seq-len, --seed, --sampling, --epoch-end).
+// Adds DataPosition's options (--world, --batch, --seq-len, --seed, --sampling, --epoch-end,
+// --image-channels).
 void add_position_options(CLI::App& command, DataPosition& position);
+
+// Row r of a batch's field `name` as the record held it: a ragged tensor without its padding
+// (by "<name>_mask"), or image `k` of an image field (k = -1) or images field without its
+// padding, [H, W, C] (by "<name>_size"). Undefined for an empty slot of an images field.
+at::Tensor unpadded(const data::Batch& batch, const std::string& name, int64_t r);
+at::Tensor image_of(const data::Batch& batch, const std::string& name, int64_t r, int64_t k = -1);
 
 // Rank `rank`'s reader of the run, positioned so that its next() is the batch the rank reads
 // at training step `step` (counting from 0 over all epochs), as the Trainer's reader does.

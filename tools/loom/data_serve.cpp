@@ -44,6 +44,47 @@ json tensor_json(const data::Field& field, const at::Tensor& t) {
           {"image", t.dim() == 2 && t.scalar_type() == at::kByte}};
 }
 
+// An [H, W, C] image's shape and every pixel value, row by row.
+json pixels_json(const at::Tensor& image) {
+  const at::Tensor hwc = image.contiguous();
+  const uint8_t* p = hwc.data_ptr<uint8_t>();
+  return {{"shape", hwc.sizes().vec()}, {"values", std::vector<int>(p, p + hwc.numel())}};
+}
+
+std::vector<double> series(const at::Tensor& t) {
+  const at::Tensor d = t.to(at::kDouble).contiguous();
+  return {d.data_ptr<double>(), d.data_ptr<double>() + d.numel()};
+}
+
+// What the page draws beside the fields of a multimodal or episode record.
+void add_layout_json(const data::Manifest& m, const data::Batch& batch, int64_t r, json& sample) {
+  if (batch.tensors.count("step")) {  // a transition
+    sample["transition"] = {{"episode", batch["episode"][r].item<int64_t>()},
+                            {"step", batch["step"][r].item<int64_t>()},
+                            {"return", batch["return"][r].item<double>()}};
+    if (batch.tensors.count("advantage")) {
+      sample["transition"]["advantage"] = batch["advantage"][r].item<double>();
+    }
+  } else if (m.layout == data::RecordLayout::kEpisodes) {
+    const at::Tensor reward = unpadded(batch, "reward", r);
+    json episode = {{"reward", series(reward)},
+                    {"return", series(batch["return"][r].narrow(0, 0, reward.size(0)))}};
+    if (batch.tensors.count("advantage")) {
+      episode["advantage"] = series(batch["advantage"][r].narrow(0, 0, reward.size(0)));
+    }
+    sample["episode"] = std::move(episode);
+  } else if (m.layout == data::RecordLayout::kMultimodal) {
+    const at::Tensor positions = unpadded(batch, "image_positions", r);
+    json images = json::array();
+    for (int64_t k = 0; k < positions.size(0); ++k) {
+      images.push_back(pixels_json(image_of(batch, "images", r, k)));
+    }
+    sample["sequence"] = {{"tokens", series(unpadded(batch, "tokens", r))},
+                          {"positions", series(positions)},
+                          {"images", std::move(images)}};
+  }
+}
+
 // The batch rank `rank` reads at `step`, as /api/batch answers it.
 json batch_json(const DataPosition& at, int rank, uint64_t step, const data::Vocabulary* vocab) {
   const std::unique_ptr<data::Reader> reader = reader_at(at, rank, step);
@@ -88,10 +129,26 @@ json batch_json(const DataPosition& at, int rank, uint64_t step, const data::Voc
             fields[field.name] = {{"float", batch[field.name][r].item<double>()}};
             break;
           case data::FieldType::kTensor:
-            fields[field.name] = tensor_json(field, batch[field.name][r]);
+            fields[field.name] = tensor_json(field, unpadded(batch, field.name, r));
             break;
+          case data::FieldType::kImage:
+            fields[field.name] = {{"pixels", pixels_json(image_of(batch, field.name, r))}};
+            break;
+          case data::FieldType::kImages: {
+            json images = json::array();
+            const int64_t n = batch[field.name + "_mask"][r].sum().item<int64_t>();
+            for (int64_t k = 0; k < n; ++k) {
+              images.push_back(pixels_json(image_of(batch, field.name, r, k)));
+            }
+            fields[field.name] = {{"pixel_list", std::move(images)}};
+            break;
+          }
         }
       }
+      if (m.layout == data::RecordLayout::kMultimodal) {
+        for (const char* shown : {"tokens", "images", "image_positions"}) fields.erase(shown);
+      }
+      add_layout_json(m, batch, r, sample);
       sample["fields"] = std::move(fields);
     }
     samples.push_back(std::move(sample));
@@ -124,7 +181,11 @@ json dataset_json(const DataPosition& at) {
           {"batch", at.batch},
           {"seq_len", at.seq_len},
           {"seed", at.seed},
-          {"sampling", at.sampling},
+          {"sampling", !at.sampling.empty()                        ? at.sampling
+                       : m.kind == data::DatasetKind::kTokens      ? "packed"
+                       : m.layout == data::RecordLayout::kEpisodes ? "episode"
+                                                                   : ""},
+          {"layout", m.kind == data::DatasetKind::kTokens ? "" : data::to_string(m.layout)},
           {"epoch_end", at.epoch_end},
           {"tokenizer", !m.tokenizer.empty()},
           {"schema", std::move(schema)}};
@@ -184,9 +245,17 @@ json stats_json(const DataPosition& at) {
                              (named ? " (" + f.classes[static_cast<size_t>(v)] + ")" : "")];
             break;
           }
+          case data::FieldType::kImage:
+          case data::FieldType::kImages:
           case data::FieldType::kTensor: {
+            const bool image = f.type == data::FieldType::kImage;
+            const at::Tensor value = image ? image_of(batch, f.name, r)
+                                     : f.type == data::FieldType::kImages
+                                         ? batch[f.name + "_mask"][r].sum()
+                                         : unpadded(batch, f.name, r);
             std::string shape;
-            for (int64_t d : batch[f.name][r].sizes()) {
+            for (int64_t d : value.dim() == 0 ? std::vector<int64_t>{value.item<int64_t>()}
+                                              : value.sizes().vec()) {
               shape += (shape.empty() ? "" : "x") + std::to_string(d);
             }
             ++counts[f.name][shape];
@@ -206,7 +275,8 @@ json stats_json(const DataPosition& at) {
   }
   for (const data::Field& f : m.schema) {
     json field = {{"name", f.name}, {"type", data::to_string(f.type)}};
-    if (f.type == data::FieldType::kInt || f.type == data::FieldType::kTensor) {
+    if (f.type == data::FieldType::kInt || f.type == data::FieldType::kTensor ||
+        f.type == data::FieldType::kImage || f.type == data::FieldType::kImages) {
       json c = json::array();
       for (const auto& [key, n] : counts[f.name]) c.push_back({{"key", key}, {"count", n}});
       field["counts"] = std::move(c);
@@ -314,7 +384,11 @@ const char* page() {
   .tokens.ids .tok { margin-right: 3px; padding: 0 2px; }
   table.fields td { padding: 2px 10px 2px 0; vertical-align: top; }
   table.fields td:first-child { color: #6b7385; }
-  canvas.image { image-rendering: pixelated; border: 1px solid #e3e6ec; }
+  canvas.image { image-rendering: pixelated; border: 1px solid #e3e6ec; vertical-align: middle; }
+  .sequence canvas.image { margin: 2px 4px; }
+  svg.episode { background: #fbfcfd; border: 1px solid #e3e6ec; border-radius: 4px; }
+  .plot { margin: 4px 0 8px; }
+  .transition { font-family: ui-monospace, monospace; margin-bottom: 4px; }
   .error { color: #c0392b; font-weight: 600; }
   .stat { background: #fff; border: 1px solid #e3e6ec; border-radius: 6px; padding: 10px 12px;
           margin-bottom: 10px; }
@@ -354,6 +428,11 @@ function field(name, value) {
   else if ("bytes" in value) td.textContent = `${value.bytes} bytes`;
   else if ("int" in value) td.textContent = value.int + (value.class ? ` (${value.class})` : "");
   else if ("float" in value) td.textContent = String(value.float);
+  else if (value.pixels) td.append(picture(value.pixels));
+  else if (value.pixel_list) {
+    td.append(el("span", {class: "muted"}, `${value.pixel_list.length} images `));
+    for (const p of value.pixel_list) td.append(picture(p), " ");
+  }
   else if (value.image) {
     const [h, w] = value.shape;
     const canvas = el("canvas", {class: "image", width: w, height: h});
@@ -369,6 +448,75 @@ function field(name, value) {
   }
   tr.append(td);
   return tr;
+}
+
+// An [H, W, C] image (C 1 to 4) on a canvas, each pixel as stored.
+function picture(p) {
+  const [h, w, c] = p.shape;
+  const canvas = el("canvas", {class: "image", width: w, height: h, "data-shape": p.shape.join("x")});
+  canvas.style.width = `${w * Math.max(1, Math.floor(160 / Math.max(w, h)))}px`;
+  const ctx = canvas.getContext("2d");
+  const img = ctx.createImageData(w, h);
+  for (let i = 0; i < w * h; ++i) {
+    const v = p.values.slice(i * c, i * c + c);
+    const rgb = c >= 3 ? v.slice(0, 3) : [v[0], v[0], v[0]];
+    img.data.set([...rgb, c === 2 || c === 4 ? v[c - 1] : 255], 4 * i);
+  }
+  ctx.putImageData(img, 0, 0);
+  return canvas;
+}
+
+// A multimodal sequence: its tokens with each image in its place.
+function sequence(seq) {
+  const p = el("div", {class: "tokens ids sequence"});
+  let k = 0;
+  for (let t = 0; t <= seq.tokens.length; ++t) {
+    for (; k < seq.positions.length && seq.positions[k] === t; ++k) {
+      const c = picture(seq.images[k]);
+      c.dataset.image = k;
+      p.append(c, " ");
+    }
+    if (t < seq.tokens.length) {
+      p.append(el("span", {class: "tok", "data-id": seq.tokens[t], title: `id ${seq.tokens[t]}`},
+                  String(seq.tokens[t])));
+    }
+  }
+  return p;
+}
+
+// An episode's per-step series as lines on one plot (reward, return, advantage).
+function episodePlot(ep) {
+  const names = ["reward", "return", "advantage"].filter(n => ep[n]);
+  const colors = {reward: "#2563c9", return: "#d97706", advantage: "#16a34a"};
+  const all = names.flatMap(n => ep[n]);
+  const lo = Math.min(0, ...all), hi = Math.max(0, ...all);
+  const W = 480, H = 140, n = ep.reward.length;
+  const x = t => n > 1 ? 10 + t * (W - 20) / (n - 1) : W / 2;
+  const y = v => hi > lo ? H - 10 - (v - lo) * (H - 20) / (hi - lo) : H / 2;
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("width", W);
+  svg.setAttribute("height", H);
+  svg.setAttribute("class", "episode");
+  const axis = document.createElementNS(ns, "line");
+  for (const [k, v] of Object.entries({x1: 0, x2: W, y1: y(0), y2: y(0), stroke: "#c9ced8"}))
+    axis.setAttribute(k, v);
+  svg.append(axis);
+  for (const name of names) {
+    const line = document.createElementNS(ns, "polyline");
+    line.setAttribute("points", ep[name].map((v, t) => `${x(t)},${y(v)}`).join(" "));
+    line.setAttribute("fill", "none");
+    line.setAttribute("stroke", colors[name]);
+    line.setAttribute("stroke-width", 2);
+    line.dataset.series = name;
+    line.dataset.values = JSON.stringify(ep[name]);
+    svg.append(line);
+  }
+  const box = el("div", {class: "plot"});
+  box.append(el("div", {class: "muted"}, `${n} steps · ` +
+      names.map(nm => `${nm} (${colors[nm] === "#2563c9" ? "blue" : colors[nm] === "#d97706" ?
+                                 "orange" : "green"})`).join(", ")), svg);
+  return box;
 }
 
 async function show() {
@@ -397,6 +545,14 @@ async function show() {
                                                      title: `id ${t.id}`}, t.text));
       div.append(p);
     } else {
+      if (s.sequence) div.append(sequence(s.sequence));
+      if (s.episode) div.append(episodePlot(s.episode));
+      if (s.transition) {
+        const t = s.transition;
+        div.append(el("div", {class: "transition", "data-episode": t.episode, "data-step": t.step},
+                      `episode ${t.episode}, step ${t.step}: return ${t.return}` +
+                      (t.advantage !== undefined ? `, advantage ${t.advantage}` : "")));
+      }
       const table = el("table", {class: "fields"});
       for (const [name, value] of Object.entries(s.fields)) table.append(field(name, value));
       div.append(table);
