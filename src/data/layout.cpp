@@ -89,6 +89,13 @@ std::string check_record(RecordLayout layout, const std::vector<Field>& schema,
     const EpisodeFields f = episode_fields(schema);
     const int64_t length = episode_length(f, views);
     if (length < 1) return "the episode has no steps (field 'reward' is empty)";
+    for (const int one_d : {f.reward, f.done, f.log_prob, f.value}) {
+      if (one_d >= 0 && views[one_d].ndim != 1) {
+        return "field '" + schema[static_cast<size_t>(one_d)].name +
+               "' must hold one value per step (shape [T]); it has " +
+               std::to_string(views[one_d].ndim) + " dimensions";
+      }
+    }
     for (size_t i = 0; i < schema.size(); ++i) {
       if (!schema[i].ragged || views[i].dims[0] == length) continue;
       return "field '" + schema[i].name + "' has " + std::to_string(views[i].dims[0]) +
@@ -97,6 +104,12 @@ std::string check_record(RecordLayout layout, const std::vector<Field>& schema,
     }
   } else if (layout == RecordLayout::kMultimodal) {
     const MultimodalFields f = multimodal_fields(schema);
+    for (const int one_d : {f.tokens, f.positions}) {
+      if (views[one_d].ndim != 1) {
+        return "field '" + schema[static_cast<size_t>(one_d)].name + "' must be 1-D; it has " +
+               std::to_string(views[one_d].ndim) + " dimensions";
+      }
+    }
     const format::FieldView& positions = views[f.positions];
     const int64_t images = views[f.images].integer;
     const int64_t tokens = views[f.tokens].dims[0];

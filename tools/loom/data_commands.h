@@ -40,7 +40,8 @@ std::unique_ptr<data::Reader> reader_at(const DataPosition& position, int rank, 
 // `loom data serve DATASET` (data_serve.cpp), added under `data`.
 void register_data_serve(CLI::App& data, Action& action);
 
-// `loom data build text|fashion-mnist|jsonl` (data_build.cpp), added under `data`.
+// `loom data build text|fashion-mnist|jsonl|images|webdataset` (data_build.cpp), added under
+// `data`.
 void register_data_build(CLI::App& data, Action& action);
 
 // `loom data register|ls|info|tag|diff|migrate` (data_registry.cpp), added under `data`.

@@ -443,7 +443,13 @@ function field(name, value) {
     ctx.putImageData(img, 0, 0);
     td.append(canvas, el("span", {class: "muted"}, ` ${value.dtype} [${value.shape}]`));
   } else {
-    td.textContent = `${value.dtype} [${value.shape}] ` + value.values.slice(0, 32).join(" ") +
+    // float32 values arrive as doubles: each shown as the shortest decimal of its float32.
+    const shortest = v => {
+      for (let p = 1; p < 10; ++p) if (Math.fround(+v.toPrecision(p)) === v) return +v.toPrecision(p);
+      return v;
+    };
+    const shown = value.values.slice(0, 32).map(value.dtype === "float32" ? shortest : v => v);
+    td.textContent = `${value.dtype} [${value.shape}] ` + shown.join(" ") +
                      (value.values.length > 32 || value.truncated ? " …" : "");
   }
   tr.append(td);

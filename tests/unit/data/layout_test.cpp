@@ -225,7 +225,23 @@ TEST(Episodes, FieldsOfDifferentLengthsAreRefusedNamingTheRecordAndFields) {
             "record 2: field 'action' has " + std::to_string(t + 1) +
                 " steps but field 'reward' has " + std::to_string(t) +
                 "; every per-step field of an episode has one entry per step");
+  // A per-step scalar field with a second dimension would feed the returns the wrong values.
+  std::vector<float> wide(static_cast<size_t>(2 * episodes[0].length()), 1.0f);
+  Episode two_d = episodes[0];
+  Record record =
+      Record()
+          .integer(3)
+          .tensor(two_d.observation.data(), two_d.observation.size() * 4, {two_d.length(), 3})
+          .tensor(two_d.action.data(), two_d.action.size() * 8, {two_d.length()})
+          .tensor(wide.data(), wide.size() * 4, {two_d.length(), 2})
+          .tensor(two_d.done.data(), two_d.done.size(), {two_d.length()})
+          .tensor(two_d.value.data(), two_d.value.size() * 4, {two_d.length()});
   EXPECT_EQ(writer.records_written(), 2u);  // the bad record was not written
+  RecordDatasetWriter fresh(dir.path() / "bad2", episode_schema(),
+                            {.layout = RecordLayout::kEpisodes});
+  EXPECT_EQ(error_of<InvalidArgument>([&] { fresh.add(record); }),
+            "record 0: field 'reward' must hold one value per step (shape [T]); it has 2 "
+            "dimensions");
 }
 
 TEST(Episodes, TheSchemaMustFitTheLayout) {
