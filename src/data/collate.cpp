@@ -252,18 +252,24 @@ class Collator {
     at::Tensor returns =
         transitions_ ? at::zeros({n_}, at::kFloat) : at::zeros({n_, longest}, at::kFloat);
     at::Tensor advantages = at::zeros_like(returns);
-    std::vector<float> g, a;
+    // A record's fields sit at any byte offset in the shard, so reward and value are copied
+    // into aligned buffers before they are read as floats.
+    std::vector<float> reward, value, g, a;
     for (int64_t r = 0; r < n_; ++r) {
       const format::FieldView* v = rows_[r].views;
       const int64_t length = layout::episode_length(f, v);
-      g.resize(static_cast<size_t>(length));
-      a.resize(static_cast<size_t>(length));
-      const auto* reward = reinterpret_cast<const float*>(v[f.reward].data);
+      const size_t steps = static_cast<size_t>(length);
+      reward.resize(steps);
+      g.resize(steps);
+      a.resize(steps);
+      std::memcpy(reward.data(), v[f.reward].data, steps * sizeof(float));
       const uint8_t* done = v[f.done].data;
-      layout::discounted_returns(reward, done, length, o_.gamma, g.data());
+      layout::discounted_returns(reward.data(), done, length, o_.gamma, g.data());
       if (has_value) {
-        layout::gae_advantages(reward, done, reinterpret_cast<const float*>(v[f.value].data),
-                               length, o_.gamma, o_.gae_lambda, a.data());
+        value.resize(steps);
+        std::memcpy(value.data(), v[f.value].data, steps * sizeof(float));
+        layout::gae_advantages(reward.data(), done, value.data(), length, o_.gamma, o_.gae_lambda,
+                               a.data());
       }
       if (transitions_) {
         returns.data_ptr<float>()[r] = g[static_cast<size_t>(rows_[r].step)];
