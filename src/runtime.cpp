@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "control/heartbeat.h"
+#include "data/run_readers.h"
 #include "loom/comm/flight_recorder.h"
 #include "loom/comm/gloo.h"
 #include "loom/comm/group.h"
@@ -460,7 +461,10 @@ std::unique_ptr<data::Reader> Runtime::open_dataset(const std::filesystem::path&
                                                     data::ReaderOptions options) const {
   options.rank = rank();
   options.world_size = world_size();
-  return std::make_unique<data::Reader>(dir, options);
+  auto reader = std::make_unique<data::Reader>(dir, options);
+  // What `loom data show|serve RUN_DIR` read back: the run's datasets and reader options.
+  if (rank() == 0) data::record_run_reader(impl_->run_dir, dir.string(), *reader);
+  return reader;
 }
 
 }  // namespace loom

@@ -3,11 +3,15 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <httplib.h>
 #include <unistd.h>
+
 #include <chrono>
+#include <csignal>
 #include <fstream>
 #include <limits>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -16,6 +20,7 @@
 #include "data/image_codec.h"
 #include "harness/harness.h"
 #include "harness/servers.h"
+#include "loom/ckpt/inspect.h"
 #include "loom/data/dataset.h"
 #include "loom/data/reader.h"
 #include "loom/data/registry.h"
@@ -744,6 +749,119 @@ TEST(DataCli, ShowPrintsEpisodesTransitionsAndSequencesWithImages) {
             "    5 <image 0 2x3> 6 7 \n"
             "    image 0 [2, 3, 3]\n"
             "    .#:\n");
+}
+
+}  // namespace
+}  // namespace loom::data
+
+namespace loom::data {
+namespace {
+
+// The sample indices `loom data show` printed, in order.
+std::vector<uint64_t> shown_indices(const std::string& output) {
+  std::vector<uint64_t> out;
+  const std::string key = ": dataset index ";
+  for (size_t at = output.find(key); at != std::string::npos; at = output.find(key, at + 1)) {
+    out.push_back(std::stoull(output.substr(at + key.size())));
+  }
+  return out;
+}
+
+// A real run (the train probe under `loom run`, 2 ranks, checkpoints every 4 steps) is shown
+// from its run directory alone: the dataset and reader options it recorded, starting at the
+// step its newest checkpoint resumes at. The samples are those a Reader restored from that
+// checkpoint's reader state yields, rank by rank.
+TEST(DataCli, ShowAndServeARunDirectoryFromItsNewestCheckpoint) {
+  if (!LOOM_WITH_GRPC) GTEST_SKIP() << "needs `loom run` (LOOM_WITH_GRPC=ON)";
+  TempDir dir;
+  {
+    TokenDatasetWriter writer(dir / "data", {.vocab_size = 64});
+    for (int d = 0; d < 60; ++d) {
+      std::vector<uint32_t> doc;
+      for (int i = 0; i < 50; ++i) doc.push_back(static_cast<uint32_t>((i * 5 + d) % 64));
+      writer.add_document(doc);
+    }
+    writer.finish();
+  }
+  const std::string run = (dir / "run").string();
+  ProgramResult r = testing::run_program(
+      {LOOM_BINARY_DIR "/tools/loom/loom", "run", "--nproc-per-node", "2", "--run-dir", run, "--",
+       LOOM_BINARY_DIR "/tests/loom_train_probe", "--probe.data=" + (dir / "data").string(),
+       "--probe.batch=3", "--probe.seq_len=8", "--run.threads=1", "--train.steps=10",
+       "--train.checkpoint_every=4", "--train.log_every=100"},
+      dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+
+  // The newest checkpoint (the last step's, 10) and where its reader stands: what a resume
+  // reads next.
+  const fs::path ckpt_dir = dir / "run" / "ckpt";
+  ASSERT_EQ(ckpt::committed_steps(ckpt_dir), (std::vector<int64_t>{4, 8, 10}));
+  const std::string blob = ckpt::describe_step(ckpt_dir, 10).blobs.at("reader");
+  for (int rank = 0; rank < 2; ++rank) {
+    Reader reader(dir / "data", {.batch_size = 3,
+                                 .seq_len = 8,
+                                 .seed = 1234,  // the probe's rt.seed(): run.seed's default
+                                 .rank = rank,
+                                 .world_size = 2,
+                                 .prefetch = 0});
+    reader.restore_json(blob);
+    const Batch next = reader.next();
+    r = loom({"data", "show", run, "--rank", std::to_string(rank), "--color", "never"}, dir);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.substr(0, r.output.find('\n')),
+              "run " + run + ": reader 0; its newest checkpoint resumes at step 10")
+        << r.output;
+    EXPECT_EQ(shown_indices(r.output), next.indices) << r.output;
+    EXPECT_NE(r.output.find("rank " + std::to_string(rank) + " of 2, step 10 = epoch 0 step 10"),
+              std::string::npos)
+        << r.output;
+  }
+  // Another step of the same run: the Reader at that position.
+  r = loom({"data", "show", run, "--rank", "1", "--step", "3", "--color", "never"}, dir);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  Reader reader(dir / "data", {.batch_size = 3,
+                               .seq_len = 8,
+                               .seed = 1234,  // the probe's rt.seed(): run.seed's default
+                               .rank = 1,
+                               .world_size = 2,
+                               .prefetch = 0});
+  for (int s = 0; s < 3; ++s) reader.next();
+  EXPECT_EQ(shown_indices(r.output), reader.next().indices);
+
+  // The run's options are the run's: one given again is refused, as is a reader it lacks.
+  r = loom({"data", "show", run, "--batch", "4"}, dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.output, "error: --batch does not apply to a run directory: " + run +
+                          " shows the samples with the run's own reader options (readers.json)\n");
+  r = loom({"data", "show", run, "--reader", "1"}, dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.output, "error: --reader 1: " + run +
+                          " opened 1 dataset (0: " + (dir / "data").string() + ")\n");
+
+  // The browser view's dataset summary says the same.
+  const int port = testing::free_port();
+  auto served =
+      util::Subprocess::spawn({.argv = {LOOM_BINARY_DIR "/tools/loom/loom", "data", "serve", run,
+                                        "--address", "127.0.0.1:" + std::to_string(port)},
+                               .output = dir / "serve.out"});
+  httplib::Client client("127.0.0.1", port);
+  std::string body;
+  for (int i = 0; i < 300 && body.empty(); ++i) {
+    if (httplib::Result res = client.Get("/api/dataset")) {
+      body = res->body;
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  ASSERT_FALSE(body.empty()) << util::read_file(dir / "serve.out");
+  const nlohmann::json info = nlohmann::json::parse(body);
+  EXPECT_EQ(info["run"], run);
+  EXPECT_EQ(info["resume_step"], 10);
+  EXPECT_EQ(info["world"], 2);
+  EXPECT_EQ(info["batch"], 3);
+  EXPECT_EQ(info["seq_len"], 8);
+  served.signal(SIGTERM);
+  served.wait();
 }
 
 }  // namespace

@@ -11,7 +11,9 @@
 #include <sstream>
 #include <string>
 
+#include "data/run_readers.h"
 #include "data_commands.h"
+#include "loom/ckpt/inspect.h"
 #include "loom/data/cache.h"
 #include "loom/data/reader.h"
 #include "loom/data/registry.h"
@@ -65,6 +67,8 @@ struct ShowArgs {
   bool ids = false;
   std::string color = "auto";
   bool interactive = false;
+  const CLI::Option* step_option = nullptr;  // whether --step was given
+  std::optional<uint64_t> resume;            // a run directory's resume step (from_run)
 };
 
 // Terminal styling: ANSI colours or plain text.
@@ -285,6 +289,10 @@ void print_show(std::ostream& out, const ShowArgs& args, int rank, uint64_t step
   const data::Manifest& m = reader.manifest();
   const uint64_t steps = reader.steps_per_epoch();
   const data::Batch batch = reader.next();
+  if (args.resume) {
+    out << style.bold("run " + args.at.run) << ": reader " << args.at.reader << "; its newest "
+        << "checkpoint resumes at step " << *args.resume << "\n";
+  }
   out << style.bold("dataset " + args.at.dir) << " (version " << m.version << ", "
       << reader.num_samples() << " samples)\n"
       << "rank " << rank << " of " << args.at.world << ", step " << step << " = epoch "
@@ -427,7 +435,9 @@ int run_interactive(const ShowArgs& args) {
   }
 }
 
-int run_show(const ShowArgs& args) {
+int run_show(ShowArgs args) {
+  args.resume = from_run(args.at);
+  if (args.resume && args.step_option->count() == 0) args.step = *args.resume;
   if (args.interactive) return run_interactive(args);
   const Style style{args.color == "always" || (args.color == "auto" && isatty(1))};
   print_show(std::cout, args, args.rank, args.step, style);
@@ -437,27 +447,81 @@ int run_show(const ShowArgs& args) {
 }  // namespace
 
 void add_position_options(CLI::App& s, DataPosition& p) {
-  s.add_option("--world", p.world, "ranks reading together")
+  p.options = {
+      s.add_option("--world", p.world, "ranks reading together")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 1 << 20)),
+      s.add_option("--batch", p.batch, "samples per rank per step")
+          ->capture_default_str()
+          ->check(CLI::Range(int64_t{1}, int64_t{1} << 20)),
+      s.add_option("--seq-len", p.seq_len, "token datasets: T (a sample holds T + 1 tokens)")
+          ->capture_default_str()
+          ->check(CLI::Range(int64_t{1}, int64_t{1} << 24)),
+      s.add_option("--seed", p.seed, "the run's data seed")->capture_default_str(),
+      s.add_option("--sampling", p.sampling,
+                   "token datasets: packed (default) or document; episode datasets: episode "
+                   "(default) or transition")
+          ->check(CLI::IsMember({"packed", "document", "episode", "transition"})),
+      s.add_option("--epoch-end", p.epoch_end, "drop or pad")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"drop", "pad"})),
+      s.add_option("--image-channels", p.image_channels,
+                   "convert every image to this many channels (1-4); 0: as stored")
+          ->capture_default_str()
+          ->check(CLI::Range(0, 4))};
+  s.add_option("--reader", p.reader,
+               "with a run directory: which of the datasets the run opened (0: the first)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1 << 20));
-  s.add_option("--batch", p.batch, "samples per rank per step")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  s.add_option("--seq-len", p.seq_len, "token datasets: T (a sample holds T + 1 tokens)")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
-  s.add_option("--seed", p.seed, "the run's data seed")->capture_default_str();
-  s.add_option("--sampling", p.sampling,
-               "token datasets: packed (default) or document; episode datasets: episode "
-               "(default) or transition")
-      ->check(CLI::IsMember({"packed", "document", "episode", "transition"}));
-  s.add_option("--epoch-end", p.epoch_end, "drop or pad")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"drop", "pad"}));
-  s.add_option("--image-channels", p.image_channels,
-               "convert every image to this many channels (1-4); 0: as stored")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 4));
+      ->check(CLI::Range(0, 1 << 20));
+}
+
+std::optional<uint64_t> from_run(DataPosition& p) {
+  const fs::path run = p.dir;
+  if (data::is_remote(p.dir) || !fs::exists(data::run_readers_file(run))) return std::nullopt;
+  for (const CLI::Option* option : p.options) {
+    LOOM_CHECK(option->count() == 0, InvalidArgument, option->get_name(),
+               " does not apply to a run directory: ", p.dir,
+               " shows the samples with the run's own reader options (readers.json)");
+  }
+  const std::vector<data::RunReader> readers = data::run_readers(run);
+  std::string names;
+  for (size_t i = 0; i < readers.size(); ++i) {
+    names += detail::concat(i ? ", " : "", i, ": ", readers[i].dataset);
+  }
+  LOOM_CHECK(p.reader >= 0 && static_cast<size_t>(p.reader) < readers.size(), InvalidArgument,
+             "--reader ", p.reader, ": ", p.dir, " opened ", readers.size(), " dataset",
+             readers.size() == 1 ? "" : "s", " (", names, ")");
+  const data::RunReader& r = readers[static_cast<size_t>(p.reader)];
+  const data::ReaderOptions& o = r.options;
+  p.run = p.dir;
+  p.dir = r.dir;
+  p.world = o.world_size;
+  p.batch = o.batch_size;
+  p.seq_len = o.seq_len;
+  p.seed = o.seed;
+  p.epoch_end = o.epoch_end == data::EpochEnd::kPad ? "pad" : "drop";
+  p.image_channels = o.image_channels;
+  p.pad_id = o.pad_id;
+  p.gamma = o.gamma;
+  p.gae_lambda = o.gae_lambda;
+  const data::Manifest m = data::read_manifest(p.dir, data::RemoteOptions{});
+  LOOM_CHECK(m.version == r.version, InvalidArgument, p.dir, " is now version ", m.version,
+             " but the run read version ", r.version, "; the run's samples are not there any more");
+  p.sampling =
+      m.kind == data::DatasetKind::kTokens
+          ? (o.sampling == data::TokenSampling::kDocument ? "document" : "packed")
+      : m.layout == data::RecordLayout::kEpisodes
+          ? (o.episode_sampling == data::EpisodeSampling::kTransition ? "transition" : "episode")
+          : "";
+  const std::vector<int64_t> steps = ckpt::committed_steps(run / "ckpt");
+  if (steps.empty()) return 0;
+  const ckpt::StepSummary newest = ckpt::describe_step(run / "ckpt", steps.back());
+  const auto blob = newest.blobs.find("reader");
+  LOOM_CHECK(blob != newest.blobs.end() && !blob->second.empty(), InvalidArgument, "checkpoint ",
+             newest.path.string(), " holds no reader position; pass --step");
+  const data::SamplerState state = data::SamplerState::from_json(blob->second);
+  const uint64_t per_epoch = reader_at(p, 0, 0)->steps_per_epoch();
+  return state.epoch * per_epoch + state.position / static_cast<uint64_t>(p.batch * p.world);
 }
 
 at::Tensor unpadded(const data::Batch& batch, const std::string& name, int64_t r) {
@@ -481,12 +545,15 @@ std::unique_ptr<data::Reader> reader_at(const DataPosition& p, int rank, uint64_
       .seq_len = p.seq_len,
       .sampling =
           p.sampling == "document" ? data::TokenSampling::kDocument : data::TokenSampling::kPacked,
+      .pad_id = p.pad_id,
       .seed = p.seed,
       .rank = rank,
       .world_size = p.world,
       .epoch_end = p.epoch_end == "pad" ? data::EpochEnd::kPad : data::EpochEnd::kDropLast,
       .episode_sampling = p.sampling == "transition" ? data::EpisodeSampling::kTransition
                                                      : data::EpisodeSampling::kEpisode,
+      .gamma = p.gamma,
+      .gae_lambda = p.gae_lambda,
       .image_channels = p.image_channels,
       .prefetch = 0};
   auto reader = std::make_unique<data::Reader>(p.dir, options);
@@ -529,10 +596,15 @@ void register_data(CLI::App& app, Action& action) {
 
   auto show = std::make_shared<ShowArgs>();
   CLI::App* s = data->add_subcommand("show", "Print the samples a rank reads at a step, decoded.");
-  s->add_option("dataset", show->at.dir, "the dataset directory, URL or registry name")->required();
+  s->add_option("dataset", show->at.dir,
+                "the dataset directory, URL or registry name, or a run directory")
+      ->required();
   s->add_option("--rank", show->rank, "the rank")->capture_default_str();
-  s->add_option("--step", show->step, "the training step (counting from 0 over all epochs)")
-      ->capture_default_str();
+  show->step_option =
+      s->add_option("--step", show->step,
+                    "the training step (counting from 0 over all epochs); with a run directory, "
+                    "default: the step its newest checkpoint resumes at")
+          ->capture_default_str();
   add_position_options(*s, show->at);
   s->add_flag("--ids", show->ids, "also print token ids");
   s->add_flag("--interactive", show->interactive,
@@ -545,7 +617,11 @@ void register_data(CLI::App& app, Action& action) {
       "rank at that step: text detokenized with token boundaries marked (| or alternating\n"
       "shades), images as terminal art with their label, other fields as values.\n"
       "--interactive: the same full-screen, stepping through steps and ranks with the keys.\n"
-      "`loom data serve` shows it in a browser.");
+      "`loom data serve` shows it in a browser.\n"
+      "A run directory in place of the dataset takes the dataset and every reader option from\n"
+      "the run (what its program opened through Runtime::open_dataset, in readers.json) and\n"
+      "starts at the step its newest checkpoint resumes at:\n"
+      "  loom data show runs/gpt --rank 1     # what rank 1 reads next when the run resumes");
   s->callback([show, &action] { action = [show] { return run_show(*show); }; });
 }
 

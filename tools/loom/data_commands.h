@@ -3,7 +3,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "commands.h"
 #include "loom/data/reader.h"
@@ -13,7 +15,7 @@ namespace loom::cli {
 // What `loom data show` and `loom data serve` read: a dataset and the reader options of the
 // run whose samples they show.
 struct DataPosition {
-  std::string dir;
+  std::string dir;  // the dataset; or a run directory, until from_run() replaces it
   int world = 1;
   int64_t batch = 4;
   int64_t seq_len = 64;
@@ -21,11 +23,24 @@ struct DataPosition {
   std::string sampling;  // "": packed (tokens) or episode (episodes)
   std::string epoch_end = "drop";
   int image_channels = 0;
+  int64_t pad_id = 0;                      // from a run only
+  double gamma = 0.99, gae_lambda = 0.95;  // from a run only
+  std::string run;                         // the run directory `dir` named, once from_run() read it
+  int reader = 0;                          // --reader: which of the run's readers
+  std::vector<const CLI::Option*> options;  // the position options, refused with a run
 };
 
 // Adds DataPosition's options (--world, --batch, --seq-len, --seed, --sampling, --epoch-end,
-// --image-channels).
+// --image-channels, --reader).
 void add_position_options(CLI::App& command, DataPosition& position);
+
+// When position.dir is a run directory (it holds readers.json): replaces the dataset and the
+// options by those of the run's reader number position.reader (data/run_readers.h), and
+// returns the step its newest checkpoint in <run>/ckpt resumes at (the step whose batch the run
+// reads next; 0 without a checkpoint). nullopt, changing nothing, when dir is a dataset. A
+// position option given on the command line with a run directory is InvalidArgument, as is a
+// --reader the run does not have.
+std::optional<uint64_t> from_run(DataPosition& position);
 
 // Row r of a batch's field `name` as the record held it: a ragged tensor without its padding
 // (by "<name>_mask"), or image `k` of an image field (k = -1) or images field without its

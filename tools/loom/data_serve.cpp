@@ -161,7 +161,7 @@ json batch_json(const DataPosition& at, int rank, uint64_t step, const data::Voc
           {"samples", std::move(samples)}};
 }
 
-json dataset_json(const DataPosition& at) {
+json dataset_json(const DataPosition& at, std::optional<uint64_t> resume) {
   const std::unique_ptr<data::Reader> reader = reader_at(at, 0, 0);
   const data::Manifest& m = reader->manifest();
   json schema = json::array();
@@ -188,6 +188,8 @@ json dataset_json(const DataPosition& at) {
           {"layout", m.kind == data::DatasetKind::kTokens ? "" : data::to_string(m.layout)},
           {"epoch_end", at.epoch_end},
           {"tokenizer", !m.tokenizer.empty()},
+          {"run", at.run},
+          {"resume_step", resume ? json(*resume) : json()},
           {"schema", std::move(schema)}};
 }
 
@@ -302,9 +304,10 @@ const char* page();
 
 int run_serve(const ServeArgs& args) {
   try {
-    const DataPosition at = args.at;
+    DataPosition at = args.at;
+    const std::optional<uint64_t> resume = from_run(at);
     // Opening it once checks the dataset and the options before the server starts.
-    const json dataset = dataset_json(at);
+    const json dataset = dataset_json(at, resume);
     std::shared_ptr<data::Vocabulary> vocab;
     {
       const std::unique_ptr<data::Reader> reader = reader_at(at, 0, 0);
@@ -607,12 +610,15 @@ async function showStats() {
 
 async function start() {
   info = await (await fetch("api/dataset")).json();
-  $("dataset").textContent = `${info.dataset} · ${info.kind} · ${info.samples} samples · ` +
-                             `version ${info.version}`;
+  $("dataset").textContent = (info.run ? `run ${info.run} · ` : "") +
+                             `${info.dataset} · ${info.kind} · ${info.samples} samples · ` +
+                             `version ${info.version}` +
+                             (info.resume_step !== null ? ` · resumes at step ${info.resume_step}`
+                                                        : "");
   for (let r = 0; r < info.world; ++r) $("rank").append(el("option", {value: r}, String(r)));
   const q = new URLSearchParams(location.search);
   $("rank").value = q.get("rank") || "0";
-  $("step").value = q.get("step") || "0";
+  $("step").value = q.get("step") || String(info.resume_step ?? 0);
   if (q.get("view") === "stats") {
     $("stats-link").href = "?rank=0&step=0";
     $("stats-link").textContent = "samples";
@@ -642,7 +648,9 @@ void register_data_serve(CLI::App& data, Action& action) {
   auto args = std::make_shared<ServeArgs>();
   CLI::App* s = data.add_subcommand(
       "serve", "Browse the samples each rank reads at each step, in a web browser.");
-  s->add_option("dataset", args->at.dir, "the dataset directory, URL or registry name")->required();
+  s->add_option("dataset", args->at.dir,
+                "the dataset directory, URL or registry name, or a run directory")
+      ->required();
   add_position_options(*s, args->at);
   s->add_option("--address", args->address, "host:port to listen on (port 0: any free port)")
       ->capture_default_str();
@@ -656,7 +664,9 @@ void register_data_serve(CLI::App& data, Action& action) {
       "keys. ?view=stats: each field's value counts or length histogram. Read-only; nothing\n"
       "but the dataset's samples and statistics is served.\n\n"
       "Example: loom data serve data/kjv --world 2 --batch 8 --seq-len 64   then open\n"
-      "http://127.0.0.1:8471/?rank=1&step=100");
+      "http://127.0.0.1:8471/?rank=1&step=100\n"
+      "A run directory in place of the dataset: the run's dataset and reader options, opening\n"
+      "at the step its newest checkpoint resumes at (see `loom data show --help`).");
   s->callback([args, &action] { action = [args] { return run_serve(*args); }; });
 }
 

@@ -1,0 +1,94 @@
+// <run_dir>/readers.json: what Runtime::open_dataset opened, for the viewers' run mode.
+#include "data/run_readers.h"
+
+#include <nlohmann/json.hpp>
+
+#include "loom/error.h"
+#include "util/files.h"
+
+namespace loom::data {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+json entry_json(const std::string& dataset, const Reader& reader) {
+  const ReaderOptions& o = reader.options();
+  return {{"dataset", dataset},
+          {"dir", reader.dataset().dir.string()},
+          {"version", reader.manifest().version},
+          {"batch_size", o.batch_size},
+          {"seq_len", o.seq_len},
+          {"sampling", o.sampling == TokenSampling::kDocument ? "document" : "packed"},
+          {"pad_id", o.pad_id},
+          {"seed", o.seed},
+          {"world_size", o.world_size},
+          {"epoch_end", o.epoch_end == EpochEnd::kPad ? "pad" : "drop"},
+          {"episode_sampling",
+           o.episode_sampling == EpisodeSampling::kTransition ? "transition" : "episode"},
+          {"gamma", o.gamma},
+          {"gae_lambda", o.gae_lambda},
+          {"image_channels", o.image_channels}};
+}
+
+json read_entries(const fs::path& file) {
+  try {
+    json j = json::parse(util::read_file(file));
+    LOOM_CHECK(j.is_array(), CorruptData, file.string(), " is not a JSON array of readers");
+    return j;
+  } catch (const json::exception& e) {
+    throw CorruptData(detail::concat(file.string(), " is not valid JSON: ", e.what()));
+  }
+}
+
+}  // namespace
+
+fs::path run_readers_file(const fs::path& run_dir) { return run_dir / "readers.json"; }
+
+void record_run_reader(const fs::path& run_dir, const std::string& dataset, const Reader& reader) {
+  const fs::path file = run_readers_file(run_dir);
+  json entries = fs::exists(file) ? read_entries(file) : json::array();
+  const json entry = entry_json(dataset, reader);
+  for (const json& e : entries) {
+    if (e == entry) return;
+  }
+  entries.push_back(entry);
+  util::write_file_atomic(file, entries.dump(2) + "\n");
+}
+
+std::vector<RunReader> run_readers(const fs::path& run_dir) {
+  const fs::path file = run_readers_file(run_dir);
+  LOOM_CHECK(fs::exists(file), IoError, run_dir.string(),
+             " has no readers.json: it is not a run directory, or its program opened no dataset "
+             "through Runtime::open_dataset");
+  std::vector<RunReader> out;
+  for (const json& e : read_entries(file)) {
+    try {
+      RunReader r;
+      r.dataset = e.at("dataset").get<std::string>();
+      r.dir = e.at("dir").get<std::string>();
+      r.version = e.at("version").get<std::string>();
+      ReaderOptions& o = r.options;
+      o.batch_size = e.at("batch_size").get<int64_t>();
+      o.seq_len = e.at("seq_len").get<int64_t>();
+      o.sampling =
+          e.at("sampling") == "document" ? TokenSampling::kDocument : TokenSampling::kPacked;
+      o.pad_id = e.at("pad_id").get<int64_t>();
+      o.seed = e.at("seed").get<uint64_t>();
+      o.world_size = e.at("world_size").get<int>();
+      o.epoch_end = e.at("epoch_end") == "pad" ? EpochEnd::kPad : EpochEnd::kDropLast;
+      o.episode_sampling = e.at("episode_sampling") == "transition" ? EpisodeSampling::kTransition
+                                                                    : EpisodeSampling::kEpisode;
+      o.gamma = e.at("gamma").get<double>();
+      o.gae_lambda = e.at("gae_lambda").get<double>();
+      o.image_channels = e.at("image_channels").get<int>();
+      out.push_back(std::move(r));
+    } catch (const json::exception& ex) {
+      throw CorruptData(detail::concat(file.string(), ": reader ", out.size(), " is malformed (",
+                                       ex.what(), ")"));
+    }
+  }
+  return out;
+}
+
+}  // namespace loom::data
