@@ -175,6 +175,34 @@ class Source {
     return n;
   }
 
+  uint64_t num_entries() const {
+    return is_tokens() ? manifest_.total_documents() : manifest_.total_items();
+  }
+
+  Reader::Entry entry(uint64_t i) const {
+    LOOM_CHECK(i < num_entries(), InvalidArgument, "entry ", i, " of ", dataset_.dir.string(),
+               ", which holds ", num_entries(), is_tokens() ? " documents" : " records");
+    const std::vector<uint64_t>& starts = is_tokens() ? doc_begins_ : begins_;
+    const size_t s = shard_of(starts, i);
+    const uint64_t local = i - starts[s];
+    Held held(*this);
+    if (!settled()) held.hold(s);
+    const OpenShard& open = held[s];
+    if (!is_tokens()) {
+      const auto [payload, size] = open.records->payload(local);
+      return {size, util::xxh64(payload, size)};
+    }
+    if (open.checker) open.checker->check(open.tokens->index_offset() + 8 * local, 16);
+    const auto [begin, end] = open.tokens->document(local);
+    std::vector<int64_t> ids(static_cast<size_t>(end - begin));
+    copy_tokens(begins_[s] + begin, ids.size(), held, ids.data());
+    std::vector<uint8_t> bytes(4 * ids.size());
+    for (size_t k = 0; k < ids.size(); ++k) {
+      for (int b = 0; b < 4; ++b) bytes[4 * k + b] = static_cast<uint8_t>(ids[k] >> (8 * b));
+    }
+    return {end - begin, util::xxh64(bytes.data(), bytes.size())};
+  }
+
   Batch read(const std::vector<uint64_t>& indices) const {
     Batch batch;
     batch.indices = indices;
@@ -697,6 +725,8 @@ uint64_t Reader::steps_per_epoch() const { return impl_->sampler.steps_per_epoch
 Batch Reader::read(const std::vector<uint64_t>& indices) const {
   return impl_->source.read(indices);
 }
+uint64_t Reader::num_entries() const { return impl_->source.num_entries(); }
+Reader::Entry Reader::entry(uint64_t i) const { return impl_->source.entry(i); }
 
 int64_t Reader::batch_size() const { return impl_->options.batch_size; }
 std::string Reader::state_json() const { return state().to_json(); }

@@ -7,7 +7,9 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -102,10 +104,21 @@ constexpr const char* kReadSamples = R"JS(
   });
 )JS";
 
+// The statistics view, from its DOM: the summary line, and per field its rows as [key, count].
+constexpr const char* kReadStats = R"JS(
+  const out = {summary: document.querySelector('#stats-summary h3').textContent};
+  for (const div of document.querySelectorAll('.stat[data-field]')) {
+    out[div.dataset.field] = [...div.querySelectorAll('.row')]
+        .map(r => [r.dataset.key, Number(r.dataset.count)]);
+  }
+  return out;
+)JS";
+
 TEST(DataServe, TheBrowserShowsExactlyTheTokensEachRankReadsAtAStep) {
   if (!testing::Browser::available()) GTEST_SKIP() << "needs chromium and chromium-driver";
   TempDir dir;
   const fs::path ds = dir / "tokens";
+  std::vector<int64_t> lengths;  // of the documents, in tokens
   {
     TokenDatasetWriter writer(ds, {.vocab_size = 500, .tokens_per_shard = 300});
     std::mt19937 rng(3);
@@ -113,6 +126,7 @@ TEST(DataServe, TheBrowserShowsExactlyTheTokensEachRankReadsAtAStep) {
       std::vector<uint32_t> doc(20 + rng() % 40);
       for (auto& t : doc) t = rng() % 500;
       writer.add_document(doc);
+      lengths.push_back(static_cast<int64_t>(doc.size()));
     }
     writer.finish();
   }
@@ -158,6 +172,31 @@ TEST(DataServe, TheBrowserShowsExactlyTheTokensEachRankReadsAtAStep) {
   ASSERT_TRUE(bad_step);
   EXPECT_EQ(bad_step->status, 400);
   EXPECT_EQ(bad_step->body, "the parameter step must be a non-negative integer, got '-1'\n");
+
+  // The statistics view: the documents' length histogram, 10 equal bins from the shortest to
+  // the longest, each document counted in the bin its length falls in (the last bin closed).
+  browser.open(served.url("/?view=stats"));
+  ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
+  browser.screenshot(kScreenshots / "tokens_stats.png");
+  const json stats = json::parse(browser.run(kReadStats));
+  const auto [lo, hi] = std::minmax_element(lengths.begin(), lengths.end());
+  json bins = json::array();
+  for (int b = 0; b < 10; ++b) {
+    const double from = *lo + (*hi - *lo) * b / 10.0, to = *lo + (*hi - *lo) * (b + 1) / 10.0;
+    int64_t count = 0;
+    for (const int64_t n : lengths) {
+      count += std::min(9, static_cast<int>(static_cast<double>(n - *lo) / (*hi - *lo) * 10)) == b;
+    }
+    std::ostringstream key;  // as the page prints the bounds: at most 2 decimals
+    key << std::round(from * 100) / 100 << " – " << std::round(to * 100) / 100;
+    bins.push_back({key.str(), count});
+  }
+  int64_t tokens = 0;
+  for (const int64_t n : lengths) tokens += n;
+  EXPECT_EQ(stats["summary"],
+            "40 of 40 documents counted · " + std::to_string(tokens) + " tokens, " +
+                std::to_string(Reader(ds, options).manifest().shards.size()) + " shards");
+  EXPECT_EQ(stats["documents"], bins);
 }
 
 TEST(DataServe, TheBrowserShowsRecordsImagesLabelsAndText) {
@@ -203,13 +242,7 @@ TEST(DataServe, TheBrowserShowsRecordsImagesLabelsAndText) {
   browser.open(served.url("/?view=stats"));
   ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
   browser.screenshot(kScreenshots / "records_stats.png");
-  const json stats = json::parse(browser.run(R"JS(
-    const out = {summary: document.querySelector('#stats-summary h3').textContent};
-    for (const div of document.querySelectorAll('.stat[data-field]')) {
-      out[div.dataset.field] = [...div.querySelectorAll('.row')]
-          .map(r => [r.dataset.key, Number(r.dataset.count)]);
-    }
-    return out;)JS"));
+  const json stats = json::parse(browser.run(kReadStats));
   EXPECT_EQ(stats["summary"], "30 of 30 samples counted");
   EXPECT_EQ(stats["label"],
             json::parse(R"J([["0 (cat)", 10], ["1 (dog)", 10], ["2 (bird)", 10]])J"));
@@ -408,6 +441,29 @@ TEST(DataServe, TheBrowserShowsEpisodePlotsAndSequencesWithImagesInPlace) {
     EXPECT_EQ(shown[r]["order"].get<std::vector<std::string>>(), order) << r;
     EXPECT_EQ(shown[r]["images"].get<std::vector<std::vector<int>>>(), pixels) << r;
     EXPECT_EQ(shown[r]["fields"]["caption"], json(expected.strings.at("caption")[r]).dump());
+  }
+
+  // Its statistics: the sequences' lengths in tokens (a ragged field) as a histogram from the
+  // shortest to the longest, every sequence counted once.
+  const auto res = served.get("/api/stats");
+  ASSERT_TRUE(res);
+  const json stats = json::parse(res->body);
+  const Batch all = Reader(mm, {.batch_size = 1, .prefetch = 0}).read({0, 1, 2, 3, 4, 5, 6, 7});
+  std::vector<int64_t> lengths;
+  for (int64_t r = 0; r < 8; ++r) lengths.push_back(real_length(all, "tokens", r));
+  const auto [lo, hi] = std::minmax_element(lengths.begin(), lengths.end());
+  const json& tokens = stats["fields"][0];
+  EXPECT_EQ(tokens["name"], "tokens");
+  EXPECT_EQ(tokens["of"], "its length (first dimension)");
+  ASSERT_EQ(tokens["histogram"].size(), 10u) << stats;
+  EXPECT_EQ(tokens["histogram"][0]["from"], *lo);
+  EXPECT_EQ(tokens["histogram"][9]["to"], *hi);
+  for (int b = 0; b < 10; ++b) {
+    int64_t count = 0;
+    for (const int64_t n : lengths) {
+      count += std::min(9, static_cast<int>(static_cast<double>(n - *lo) / (*hi - *lo) * 10)) == b;
+    }
+    EXPECT_EQ(tokens["histogram"][b]["count"], count) << b;
   }
 }
 

@@ -195,8 +195,10 @@ json dataset_json(const DataPosition& at, std::optional<uint64_t> resume) {
 
 // Statistics over the first kStatsSamples samples of the dataset (all of a smaller one), per
 // field: an int field's count per value (named by its classes), a text or bytes field's
-// length histogram, a float field's value histogram, a tensor field's count per shape. Token
-// datasets: their totals from the manifest.
+// length histogram, a float field's value histogram, a ragged tensor field's length histogram
+// (a sequence's tokens, an episode's steps), another tensor field's count per shape. Token
+// datasets: their totals from the manifest, and the length histogram of their first
+// kStatsSamples documents.
 constexpr uint64_t kStatsSamples = 200'000;
 
 // `values` in 10 equal-width bins from their least to their greatest: [{from, to, count}].
@@ -223,14 +225,22 @@ json stats_json(const DataPosition& at) {
   const std::unique_ptr<data::Reader> reader = reader_at(at, 0, 0);
   const data::Manifest& m = reader->manifest();
   const uint64_t total = reader->num_samples();
+  if (m.kind == data::DatasetKind::kTokens) {
+    const uint64_t documents = reader->num_entries();
+    std::vector<double> lengths;
+    for (uint64_t d = 0; d < std::min(documents, kStatsSamples); ++d) {
+      lengths.push_back(static_cast<double>(reader->entry(d).size));
+    }
+    json field = {{"name", "documents"},
+                  {"type", "tokens"},
+                  {"histogram", histogram(lengths)},
+                  {"of", "their length in tokens"}};
+    return {{"samples", total},          {"tokens", m.total_items()},
+            {"documents", documents},    {"documents_counted", lengths.size()},
+            {"shards", m.shards.size()}, {"fields", json::array({std::move(field)})}};
+  }
   const uint64_t counted = std::min(total, kStatsSamples);
   json out = {{"samples", total}, {"counted", counted}, {"fields", json::array()}};
-  if (m.kind == data::DatasetKind::kTokens) {
-    out["tokens"] = m.total_items();
-    out["documents"] = m.total_documents();
-    out["shards"] = m.shards.size();
-    return out;
-  }
   std::map<std::string, std::map<std::string, uint64_t>> counts;  // int and tensor fields
   std::map<std::string, std::vector<double>> values;              // text, bytes, float fields
   for (uint64_t begin = 0; begin < counted; begin += 256) {
@@ -247,9 +257,14 @@ json stats_json(const DataPosition& at) {
                              (named ? " (" + f.classes[static_cast<size_t>(v)] + ")" : "")];
             break;
           }
+          case data::FieldType::kTensor:
+            if (f.ragged) {
+              values[f.name].push_back(static_cast<double>(unpadded(batch, f.name, r).size(0)));
+              break;
+            }
+            [[fallthrough]];
           case data::FieldType::kImage:
-          case data::FieldType::kImages:
-          case data::FieldType::kTensor: {
+          case data::FieldType::kImages: {
             const bool image = f.type == data::FieldType::kImage;
             const at::Tensor value = image ? image_of(batch, f.name, r)
                                      : f.type == data::FieldType::kImages
@@ -277,14 +292,16 @@ json stats_json(const DataPosition& at) {
   }
   for (const data::Field& f : m.schema) {
     json field = {{"name", f.name}, {"type", data::to_string(f.type)}};
-    if (f.type == data::FieldType::kInt || f.type == data::FieldType::kTensor ||
+    if (f.type == data::FieldType::kInt || (f.type == data::FieldType::kTensor && !f.ragged) ||
         f.type == data::FieldType::kImage || f.type == data::FieldType::kImages) {
       json c = json::array();
       for (const auto& [key, n] : counts[f.name]) c.push_back({{"key", key}, {"count", n}});
       field["counts"] = std::move(c);
     } else {
       field["histogram"] = histogram(values[f.name]);
-      field["of"] = f.type == data::FieldType::kFloat ? "value" : "length in bytes";
+      field["of"] = f.type == data::FieldType::kFloat    ? "its value"
+                    : f.type == data::FieldType::kTensor ? "its length (first dimension)"
+                                                         : "its length in bytes";
     }
     out["fields"].push_back(std::move(field));
   }
@@ -583,14 +600,15 @@ async function showStats() {
   }
   const st = await res.json();
   const head = el("div", {class: "stat", id: "stats-summary"});
-  head.append(el("h3", {}, `${st.counted} of ${st.samples} samples counted` +
-                           (st.tokens !== undefined ? ` · ${st.tokens} tokens in ` +
-                            `${st.documents} documents, ${st.shards} shards` : "")));
+  head.append(el("h3", {}, st.tokens !== undefined
+      ? `${st.documents_counted} of ${st.documents} documents counted · ${st.tokens} tokens, ` +
+        `${st.shards} shards`
+      : `${st.counted} of ${st.samples} samples counted`));
   const blocks = [head];
   for (const f of st.fields) {
     const div = el("div", {class: "stat", "data-field": f.name});
     div.append(el("h3", {}, f.counts ? `${f.name}: count per ${f.type === "int" ? "value" : "shape"}`
-                                     : `${f.name}: histogram of its ${f.of}`));
+                                     : `${f.name}: histogram of ${f.of}`));
     const rows = f.counts ? f.counts.map(c => [c.key, c.count])
                           : f.histogram.map(b => [`${+b.from.toFixed(2)} – ${+b.to.toFixed(2)}`,
                                                   b.count]);

@@ -157,6 +157,19 @@ class LOOM_API Reader final : public BatchSource {
   // Reads the samples `indices` directly (no prefetch, no state change): for tools and tests.
   Batch read(const std::vector<uint64_t>& indices) const;
 
+  // What the dataset stores, whatever the sampling, for tools that count or compare datasets:
+  // its entries are a token dataset's documents or a record dataset's records. size: a
+  // document's tokens (its eos included) or a record's payload bytes; hash: the xxHash64 of
+  // the document's token ids as little-endian uint32 (whatever their width on disk) or of the
+  // record's payload. Read and checked as read() reads (from any thread); entry(i) with
+  // i >= num_entries() is InvalidArgument.
+  struct Entry {
+    uint64_t size = 0;
+    uint64_t hash = 0;
+  };
+  uint64_t num_entries() const;
+  Entry entry(uint64_t i) const;
+
  private:
   struct LOOM_HIDDEN Impl;
   std::unique_ptr<Impl> impl_;

@@ -10,6 +10,7 @@
 
 #include "harness/harness.h"
 #include "loom/error.h"
+#include "util/hash.h"
 
 namespace loom::data {
 namespace {
@@ -185,6 +186,54 @@ TEST(Reader, RanksAsThreadsAgreeOnTheGlobalBatch) {
       for (int i = 0; i < 3; ++i) EXPECT_EQ(per_rank[r][s * 3 + i], global[r * 3 + i]);
     }
   }
+}
+
+// Entries are what the dataset stores (documents, records), whatever the sampling: their sizes
+// and content hashes are the same for the same content in another dataset with another token
+// width or shard size, and differ where the content does.
+TEST(Reader, EntriesAreTheStoredDocumentsAndRecordsWithContentHashes) {
+  TempDir dir;
+  const std::vector<std::vector<uint32_t>> docs = {{1, 2, 3}, {4}, {5, 6, 7, 8, 9}, {1, 2, 3}};
+  auto tokens = [&](const char* name, uint32_t vocab, uint64_t per_shard) {
+    TokenDatasetWriter writer(dir / name,
+                              {.vocab_size = vocab, .eos_id = 0, .tokens_per_shard = per_shard});
+    for (const auto& d : docs) writer.add_document(d);
+    writer.finish();
+    return Reader(dir / name, {.batch_size = 1, .seq_len = 2});
+  };
+  const Reader narrow = tokens("narrow", 16, 1000);  // uint16 on disk, one shard
+  const Reader wide = tokens("wide", 1u << 20, 5);   // uint32 on disk, several shards
+  ASSERT_EQ(narrow.num_entries(), 4u);
+  ASSERT_EQ(wide.num_entries(), 4u);
+  for (uint64_t i = 0; i < 4; ++i) {
+    std::vector<uint32_t> ids = docs[i];
+    ids.push_back(0);  // the eos
+    const Reader::Entry e = narrow.entry(i);
+    EXPECT_EQ(e.size, ids.size()) << i;
+    EXPECT_EQ(e.hash, util::xxh64(ids.data(), 4 * ids.size())) << i;  // little-endian host
+    EXPECT_EQ(wide.entry(i).size, e.size) << i;
+    EXPECT_EQ(wide.entry(i).hash, e.hash) << i;
+  }
+  EXPECT_EQ(narrow.entry(0).hash, narrow.entry(3).hash);
+  EXPECT_NE(narrow.entry(0).hash, narrow.entry(1).hash);
+  EXPECT_EQ(error_of<InvalidArgument>([&] { narrow.entry(4); }),
+            "entry 4 of " + (dir / "narrow").string() + ", which holds 4 documents");
+
+  const std::vector<Field> schema = {{.name = "text", .type = FieldType::kText}};
+  auto records = [&](const char* name, const std::vector<std::string>& texts) {
+    RecordDatasetWriter writer(dir / name, schema);
+    for (const std::string& t : texts) writer.add(Record().text(t));
+    writer.finish();
+    return Reader(dir / name, {.batch_size = 1});
+  };
+  const Reader a = records("a", {"one", "two", "three"});
+  const Reader b = records("b", {"three", "two", "four!"});
+  ASSERT_EQ(a.num_entries(), 3u);
+  EXPECT_EQ(a.entry(2).hash, b.entry(0).hash);
+  EXPECT_EQ(a.entry(1).hash, b.entry(1).hash);
+  EXPECT_NE(a.entry(0).hash, b.entry(2).hash);
+  EXPECT_EQ(a.entry(2).size, b.entry(0).size);
+  EXPECT_EQ(a.entry(1).size + 2, a.entry(2).size);  // "three" is 2 bytes longer than "two"
 }
 
 }  // namespace
