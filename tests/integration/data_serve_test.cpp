@@ -467,6 +467,147 @@ TEST(DataServe, TheBrowserShowsEpisodePlotsAndSequencesWithImagesInPlace) {
   }
 }
 
+// The diff view (--against) of two versions of a record dataset: version 2 drops records 3 and
+// 7, changes record 10's caption, repeats record 0 and adds two. The page counts what the two
+// share and shows exactly the records removed (from the old version) and added (from the new),
+// compared by content wherever they sit. Then the same for token datasets of different token
+// widths, through the JSON route, and the error for datasets of two kinds.
+TEST(DataServe, TheDiffViewShowsTheRecordsRemovedAndAddedBetweenVersions) {
+  if (!testing::Browser::available()) GTEST_SKIP() << "needs chromium and chromium-driver";
+  TempDir dir;
+  const std::vector<Field> schema = {
+      {.name = "label", .type = FieldType::kInt, .classes = {"cat", "dog", "bird"}},
+      {.name = "caption", .type = FieldType::kText}};
+  using Row = std::pair<int64_t, std::string>;
+  auto write = [&](const fs::path& path, const std::vector<Row>& rows) {
+    RecordDatasetWriter writer(path, schema);
+    for (const auto& [label, caption] : rows) writer.add(Record().integer(label).text(caption));
+    writer.finish();
+  };
+  std::vector<Row> v1, v2;
+  for (int i = 0; i < 30; ++i) v1.emplace_back(i % 3, "photo " + std::to_string(i));
+  for (int i = 0; i < 30; ++i) {
+    if (i == 3 || i == 7) continue;
+    v2.push_back(i == 10 ? Row{1, "photo ten"} : v1[static_cast<size_t>(i)]);
+  }
+  v2.push_back(v1[0]);
+  v2.emplace_back(2, "new photo A");
+  v2.emplace_back(0, "new photo B");
+  write(dir / "v1", v1);
+  write(dir / "v2", v2);
+
+  Served served(dir, {(dir / "v2").string(), "--against", (dir / "v1").string()});
+  testing::Browser browser;
+  browser.open(served.url("/?view=diff"));
+  ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
+  browser.screenshot(kScreenshots / "records_diff.png");
+  const json shown = json::parse(browser.run(R"JS(
+    const side = id => [...document.querySelectorAll(`#${id} .sample`)].map(s => ({
+      index: Number(s.dataset.index),
+      title: s.querySelector('h3').textContent,
+      label: s.querySelector('td[data-field=label]').textContent,
+      caption: s.querySelector('td[data-field=caption]').textContent}));
+    return {summary: document.querySelector('#diff-summary h3').textContent,
+            schema: document.querySelectorAll('#diff-schema').length,
+            removed: side('diff-removed'), added: side('diff-added'),
+            link: document.getElementById('diff-link').textContent};)JS"));
+  EXPECT_EQ(shown["summary"], "27 records in both, 3 removed, 4 added");
+  EXPECT_EQ(shown["schema"], 0);
+  EXPECT_EQ(shown["link"], "samples");
+  const std::vector<std::string> classes = {"cat", "dog", "bird"};
+  auto expect_side = [&](const json& got, const std::vector<Row>& rows,
+                         const std::vector<uint64_t>& indices, const std::string& version) {
+    ASSERT_EQ(got.size(), indices.size()) << got;
+    for (size_t k = 0; k < indices.size(); ++k) {
+      const auto& [label, caption] = rows[indices[k]];
+      EXPECT_EQ(got[k]["index"], indices[k]);
+      EXPECT_EQ(got[k]["label"], std::to_string(label) + " (" + classes[label] + ")");
+      EXPECT_EQ(got[k]["caption"], json(caption).dump());
+      const uint64_t bytes = Reader(dir / version, {.prefetch = 0}).entry(indices[k]).size;
+      EXPECT_EQ(got[k]["title"], "record " + std::to_string(indices[k]) + " of the " +
+                                     (version == "v1" ? "old" : "new") + " version (" +
+                                     std::to_string(bytes) + " bytes)");
+    }
+  };
+  expect_side(shown["removed"], v1, {3, 7, 10}, "v1");
+  expect_side(shown["added"], v2, {8, 28, 29, 30}, "v2");
+
+  // Token datasets, 2-byte tokens against 4-byte ones: document 4 removed, one added at the end.
+  std::mt19937 rng(8);
+  std::vector<std::vector<uint32_t>> docs(10);
+  for (auto& d : docs) {
+    d.resize(5 + rng() % 20);
+    for (auto& t : d) t = rng() % 500;
+  }
+  auto write_tokens = [&](const fs::path& path, uint64_t vocab,
+                          const std::vector<std::vector<uint32_t>>& of) {
+    TokenDatasetWriter writer(path, {.vocab_size = vocab});
+    for (const auto& d : of) writer.add_document(d);
+    writer.finish();
+  };
+  write_tokens(dir / "t1", 500, docs);
+  std::vector<std::vector<uint32_t>> docs2 = docs;
+  docs2.erase(docs2.begin() + 4);
+  docs2.push_back({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12});
+  write_tokens(dir / "t2", 1u << 20, docs2);
+  Served tokens(dir, {(dir / "t2").string(), "--against", (dir / "t1").string(), "--seq-len", "7"});
+  const auto res = tokens.get("/api/diff");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json diff = json::parse(res->body);
+  EXPECT_EQ(diff["unit"], "documents");
+  EXPECT_EQ(diff["same"], 9);
+  EXPECT_EQ(diff["removed"], 1);
+  EXPECT_EQ(diff["added"], 1);
+  EXPECT_EQ(diff["old"]["entries"], 10);
+  EXPECT_EQ(diff["new"]["entries"], 10);
+  auto ids = [](const json& sample) {
+    std::vector<uint32_t> out;
+    for (const json& t : sample["tokens"]) out.push_back(t["id"].get<uint32_t>());
+    return out;
+  };
+  ASSERT_EQ(diff["removed_samples"].size(), 1u);
+  EXPECT_EQ(diff["removed_samples"][0]["index"], 4);
+  EXPECT_EQ(diff["removed_samples"][0]["size"], docs[4].size());
+  const size_t cut = std::min<size_t>(8, docs[4].size());  // seq_len + 1 tokens at most
+  EXPECT_EQ(ids(diff["removed_samples"][0]),
+            std::vector<uint32_t>(docs[4].begin(), docs[4].begin() + cut));
+  ASSERT_EQ(diff["added_samples"].size(), 1u);
+  EXPECT_EQ(diff["added_samples"][0]["index"], 9);
+  EXPECT_EQ(diff["added_samples"][0]["size"], 12);
+  EXPECT_EQ(ids(diff["added_samples"][0]), (std::vector<uint32_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+
+  // A field added: every record differs, and the page names the field.
+  {
+    RecordDatasetWriter writer(
+        dir / "v3", {schema[0], schema[1], {.name = "score", .type = FieldType::kFloat}});
+    for (const auto& [label, caption] : v1)
+      writer.add(Record().integer(label).text(caption).real(0.5));
+    writer.finish();
+  }
+  Served scored(dir, {(dir / "v3").string(), "--against", (dir / "v1").string()});
+  const auto scored_res = scored.get("/api/diff");
+  ASSERT_TRUE(scored_res);
+  const json scored_diff = json::parse(scored_res->body);
+  EXPECT_EQ(scored_diff["schema"],
+            json::parse(R"J([{"name": "score", "old": "", "new": "float"}])J"));
+  EXPECT_EQ(scored_diff["same"], 0);
+  EXPECT_EQ(scored_diff["removed"], 30);
+  EXPECT_EQ(scored_diff["added"], 30);
+  EXPECT_EQ(scored_diff["removed_samples"].size(), 20u);  // the first 20 of each side are shown
+
+  // Two kinds of dataset cannot be compared: refused before the server starts.
+  const testing::ProgramResult r =
+      testing::run_program({kLoom, "data", "serve", (dir / "t2").string(), "--seq-len", "7",
+                            "--against", (dir / "v1").string()},
+                           dir.path());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.output, "error: --against " + (dir / "v1").string() +
+                          ": it is a record dataset and " + (dir / "t2").string() +
+                          " a token dataset; only two versions of one kind of dataset can be "
+                          "compared\n");
+}
+
 TEST(DataServe, BeyondLoopbackItNeedsPublicAndEveryRequestTheToken) {
   TempDir dir;
   const fs::path ds = dir / "tokens";

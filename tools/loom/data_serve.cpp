@@ -28,6 +28,7 @@ using nlohmann::json;
 
 struct ServeArgs {
   DataPosition at;
+  std::string against;  // --against: another version to diff with ("": no diff view)
   std::string address = "127.0.0.1:8471";
   bool public_address = false;
 };
@@ -85,12 +86,9 @@ void add_layout_json(const data::Manifest& m, const data::Batch& batch, int64_t 
   }
 }
 
-// The batch rank `rank` reads at `step`, as /api/batch answers it.
-json batch_json(const DataPosition& at, int rank, uint64_t step, const data::Vocabulary* vocab) {
-  const std::unique_ptr<data::Reader> reader = reader_at(at, rank, step);
-  const data::Manifest& m = reader->manifest();
-  const uint64_t steps = reader->steps_per_epoch();
-  const data::Batch batch = reader->next();
+// Each row of `batch` as the page draws it: token ids with their text, or the fields.
+json samples_json(const data::Manifest& m, const data::Batch& batch,
+                  const data::Vocabulary* vocab) {
   json samples = json::array();
   for (int64_t r = 0; r < static_cast<int64_t>(batch.indices.size()); ++r) {
     json sample = {{"row", r}, {"index", batch.indices[r]}, {"padding", r >= batch.num_real}};
@@ -153,12 +151,130 @@ json batch_json(const DataPosition& at, int rank, uint64_t step, const data::Voc
     }
     samples.push_back(std::move(sample));
   }
+  return samples;
+}
+
+// The batch rank `rank` reads at `step`, as /api/batch answers it.
+json batch_json(const DataPosition& at, int rank, uint64_t step, const data::Vocabulary* vocab) {
+  const std::unique_ptr<data::Reader> reader = reader_at(at, rank, step);
+  const uint64_t steps = reader->steps_per_epoch();
+  const data::Batch batch = reader->next();
   return {{"rank", rank},
           {"step", step},
           {"epoch", batch.epoch},
           {"epoch_step", step % steps},
           {"steps_per_epoch", steps},
-          {"samples", std::move(samples)}};
+          {"samples", samples_json(reader->manifest(), batch, vocab)}};
+}
+
+// The diff view (--against): what the dataset stores compared with another version of it,
+// entry by entry (documents of a token dataset, records of a record dataset, by content hash,
+// data::Reader::entry): how many are in both, which were removed and which added, and the
+// first kDiffShown of each drawn as samples. Entries with the same content count as the same
+// wherever they sit; of n equal entries in one version and m in the other, min(n, m) are the
+// same and the rest, the last ones, removed or added.
+constexpr size_t kDiffShown = 20;
+
+// One side of a diff: its reader, whose sample i is entry i (a token dataset's documents cut
+// to seq_len + 1 tokens; a record dataset's whole records), and its vocabulary.
+struct DiffSide {
+  std::string dataset;
+  std::unique_ptr<data::Reader> reader;
+  std::shared_ptr<data::Vocabulary> vocab;
+};
+
+DiffSide diff_side(const DataPosition& at, const std::string& dataset) {
+  DiffSide side{dataset,
+                std::make_unique<data::Reader>(
+                    dataset, data::ReaderOptions{.seq_len = at.seq_len,
+                                                 .sampling = data::TokenSampling::kDocument,
+                                                 .pad_id = at.pad_id,
+                                                 .gamma = at.gamma,
+                                                 .gae_lambda = at.gae_lambda,
+                                                 .image_channels = at.image_channels,
+                                                 .prefetch = 0}),
+                nullptr};
+  if (!side.reader->manifest().tokenizer.empty()) {
+    side.vocab = std::make_shared<data::Vocabulary>(
+        data::Vocabulary::of_dataset(side.reader->dataset().dir));
+  }
+  return side;
+}
+
+// "name type dtype shape" of a field, as the diff names what changed.
+std::string describe(const data::Field& f) {
+  std::string out = data::to_string(f.type);
+  if (!f.dtype.empty()) out += " " + f.dtype;
+  if (f.type == data::FieldType::kTensor) {
+    std::string shape;
+    for (int64_t d : f.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+    out += " [" + shape + "]" + (f.ragged ? " ragged" : "");
+  }
+  return out;
+}
+
+json diff_json(const DiffSide& old_side, const DiffSide& new_side) {
+  const data::Reader& a = *old_side.reader;
+  const data::Reader& b = *new_side.reader;
+  // The entries of each side by hash, and which of them the other side lacks.
+  std::map<uint64_t, int64_t> balance;  // per hash: entries in b minus entries in a
+  std::vector<uint64_t> hash_a(a.num_entries()), hash_b(b.num_entries());
+  for (uint64_t i = 0; i < hash_a.size(); ++i) --balance[hash_a[i] = a.entry(i).hash];
+  for (uint64_t i = 0; i < hash_b.size(); ++i) ++balance[hash_b[i] = b.entry(i).hash];
+  // Walking from the end, the last surplus entries of each side are the ones not in the other.
+  auto surplus = [&](const std::vector<uint64_t>& hashes, int64_t sign) {
+    std::map<uint64_t, int64_t> left;
+    for (const auto& [h, n] : balance) {
+      if (n * sign > 0) left[h] = n * sign;
+    }
+    std::vector<uint64_t> out;
+    for (uint64_t i = hashes.size(); i-- > 0;) {
+      const auto it = left.find(hashes[i]);
+      if (it != left.end() && it->second > 0) {
+        --it->second;
+        out.push_back(i);
+      }
+    }
+    std::reverse(out.begin(), out.end());
+    return out;
+  };
+  const std::vector<uint64_t> removed = surplus(hash_a, -1), added = surplus(hash_b, 1);
+  auto shown = [](const DiffSide& side, const std::vector<uint64_t>& entries) {
+    const std::vector<uint64_t> first(
+        entries.begin(),
+        entries.begin() + static_cast<int64_t>(std::min(entries.size(), kDiffShown)));
+    json samples =
+        samples_json(side.reader->manifest(), side.reader->read(first), side.vocab.get());
+    for (size_t k = 0; k < first.size(); ++k) {
+      samples[k]["size"] = side.reader->entry(first[k]).size;
+    }
+    return samples;
+  };
+  auto side_json = [](const DiffSide& side) {
+    const data::Manifest& m = side.reader->manifest();
+    return json{{"dataset", side.dataset},
+                {"version", m.version},
+                {"entries", side.reader->num_entries()},
+                {"tokenizer", !m.tokenizer.empty()}};
+  };
+  json schema = json::array();  // the fields that differ: [{name, old, new}] ("" where absent)
+  std::map<std::string, std::pair<std::string, std::string>> fields;
+  for (const data::Field& f : a.manifest().schema) fields[f.name].first = describe(f);
+  for (const data::Field& f : b.manifest().schema) fields[f.name].second = describe(f);
+  for (const auto& [name, types] : fields) {
+    if (types.first != types.second) {
+      schema.push_back({{"name", name}, {"old", types.first}, {"new", types.second}});
+    }
+  }
+  return {{"old", side_json(old_side)},
+          {"new", side_json(new_side)},
+          {"unit", a.manifest().kind == data::DatasetKind::kTokens ? "documents" : "records"},
+          {"schema", std::move(schema)},
+          {"same", hash_a.size() - removed.size()},
+          {"removed", removed.size()},
+          {"added", added.size()},
+          {"removed_samples", shown(old_side, removed)},
+          {"added_samples", shown(new_side, added)}};
 }
 
 json dataset_json(const DataPosition& at, std::optional<uint64_t> resume) {
@@ -324,7 +440,8 @@ int run_serve(const ServeArgs& args) {
     DataPosition at = args.at;
     const std::optional<uint64_t> resume = from_run(at);
     // Opening it once checks the dataset and the options before the server starts.
-    const json dataset = dataset_json(at, resume);
+    json dataset = dataset_json(at, resume);
+    dataset["against"] = args.against;
     std::shared_ptr<data::Vocabulary> vocab;
     {
       const std::unique_ptr<data::Reader> reader = reader_at(at, 0, 0);
@@ -347,6 +464,38 @@ int run_serve(const ServeArgs& args) {
       try {
         if (stats->second.empty()) stats->second = stats_json(at).dump();
         res.set_content(stats->second, "application/json");
+      } catch (const Error& e) {
+        res.status = 500;
+        res.set_content(std::string(e.what()) + "\n", "text/plain");
+      }
+    });
+    // The diff view: both sides opened (and checked to be comparable) before the server
+    // starts, the comparison computed on first request, once.
+    std::shared_ptr<std::pair<DiffSide, DiffSide>> sides;
+    if (!args.against.empty()) {
+      sides = std::make_shared<std::pair<DiffSide, DiffSide>>(diff_side(at, args.against),
+                                                              diff_side(at, at.dir));
+      const data::Manifest& a = sides->first.reader->manifest();
+      const data::Manifest& b = sides->second.reader->manifest();
+      auto kind = [](const data::Manifest& m) {
+        return m.kind == data::DatasetKind::kTokens ? "a token dataset" : "a record dataset";
+      };
+      LOOM_CHECK(a.kind == b.kind, InvalidArgument, "--against ", args.against, ": it is ", kind(a),
+                 " and ", at.dir, " ", kind(b),
+                 "; only two versions of one kind of "
+                 "dataset can be compared");
+    }
+    auto diff = std::make_shared<std::pair<std::mutex, std::string>>();
+    server.Get("/api/diff", [sides, diff](const httplib::Request&, httplib::Response& res) {
+      if (!sides) {
+        res.status = 404;
+        res.set_content("no diff: start the server with --against OTHER_VERSION\n", "text/plain");
+        return;
+      }
+      std::lock_guard<std::mutex> lock(diff->first);
+      try {
+        if (diff->second.empty()) diff->second = diff_json(sides->first, sides->second).dump();
+        res.set_content(diff->second, "application/json");
       } catch (const Error& e) {
         res.status = 500;
         res.set_content(std::string(e.what()) + "\n", "text/plain");
@@ -417,6 +566,9 @@ const char* page() {
   .stat .key { width: 160px; text-align: right; color: #6b7385; }
   .stat .bar { height: 12px; background: #2563c9; border-radius: 2px; }
   .muted { color: #6b7385; }
+  .diff h2 { font-size: 15px; margin: 14px 0 8px; }
+  #diff-removed .sample { border-left: 4px solid #c0392b; }
+  #diff-added .sample { border-left: 4px solid #16a34a; }
 </style>
 </head>
 <body>
@@ -427,6 +579,7 @@ const char* page() {
   <button id="prev">&larr; step</button><button id="next">step &rarr;</button>
   <span class="muted" id="where"></span>
   <a id="stats-link" href="?view=stats">statistics</a>
+  <a id="diff-link" href="?view=diff" hidden>diff</a>
 </nav>
 <main id="samples"></main>
 <script>
@@ -559,32 +712,81 @@ async function show() {
   const b = await res.json();
   $("where").textContent = `rank ${b.rank} of ${info.world}, step ${b.step} = epoch ${b.epoch} ` +
       `step ${b.epoch_step} of ${b.steps_per_epoch}; seed ${info.seed}, ${info.batch} per rank`;
-  box.replaceChildren(...b.samples.map(s => {
-    const div = el("div", {class: "sample" + (s.padding ? " padding" : ""), "data-index": s.index,
-                           "data-row": s.row});
-    div.append(el("h3", {}, `sample ${s.row}: dataset index ${s.index}` +
-                            (s.padding ? " (padding: masked out)" : "")));
-    if (s.tokens) {
-      // Without a vocabulary a token is its id: spaced apart.
-      const p = el("div", {class: info.tokenizer ? "tokens" : "tokens ids"});
-      for (const t of s.tokens) p.append(el("span", {class: "tok", "data-id": t.id,
-                                                     title: `id ${t.id}`}, t.text));
-      div.append(p);
-    } else {
-      if (s.sequence) div.append(sequence(s.sequence));
-      if (s.episode) div.append(episodePlot(s.episode));
-      if (s.transition) {
-        const t = s.transition;
-        div.append(el("div", {class: "transition", "data-episode": t.episode, "data-step": t.step},
-                      `episode ${t.episode}, step ${t.step}: return ${t.return}` +
-                      (t.advantage !== undefined ? `, advantage ${t.advantage}` : "")));
-      }
-      const table = el("table", {class: "fields"});
-      for (const [name, value] of Object.entries(s.fields)) table.append(field(name, value));
-      div.append(table);
+  box.replaceChildren(...b.samples.map(s => sampleDiv(s,
+      `sample ${s.row}: dataset index ${s.index}` + (s.padding ? " (padding: masked out)" : ""),
+      info.tokenizer)));
+  document.body.dataset.ready = "1";
+}
+
+// One sample as the page draws it, under `title`.
+function sampleDiv(s, title, tokenizer) {
+  const div = el("div", {class: "sample" + (s.padding ? " padding" : ""), "data-index": s.index,
+                         "data-row": s.row});
+  div.append(el("h3", {}, title));
+  if (s.tokens) {
+    // Without a vocabulary a token is its id: spaced apart.
+    const p = el("div", {class: tokenizer ? "tokens" : "tokens ids"});
+    for (const t of s.tokens) p.append(el("span", {class: "tok", "data-id": t.id,
+                                                   title: `id ${t.id}`}, t.text));
+    div.append(p);
+  } else {
+    if (s.sequence) div.append(sequence(s.sequence));
+    if (s.episode) div.append(episodePlot(s.episode));
+    if (s.transition) {
+      const t = s.transition;
+      div.append(el("div", {class: "transition", "data-episode": t.episode, "data-step": t.step},
+                    `episode ${t.episode}, step ${t.step}: return ${t.return}` +
+                    (t.advantage !== undefined ? `, advantage ${t.advantage}` : "")));
     }
-    return div;
-  }));
+    const table = el("table", {class: "fields"});
+    for (const [name, value] of Object.entries(s.fields)) table.append(field(name, value));
+    div.append(table);
+  }
+  return div;
+}
+
+async function showDiff() {
+  document.body.dataset.ready = "0";
+  $("where").textContent = `diff with ${info.against}`;
+  const res = await fetch("api/diff");
+  const box = $("samples");
+  if (!res.ok) {
+    box.replaceChildren(el("div", {class: "error"}, await res.text()));
+    document.body.dataset.ready = "1";
+    return;
+  }
+  const d = await res.json();
+  const u = d.unit;
+  const head = el("div", {class: "stat", id: "diff-summary"});
+  head.append(el("h3", {}, `${d.same} ${u} in both, ${d.removed} removed, ${d.added} added`),
+              el("div", {class: "muted"}, `old: ${d.old.dataset} (version ${d.old.version}, ` +
+                 `${d.old.entries} ${u}) · new: ${d.new.dataset} (version ${d.new.version}, ` +
+                 `${d.new.entries} ${u})`));
+  const blocks = [head];
+  if (d.schema.length) {
+    const div = el("div", {class: "stat", id: "diff-schema"});
+    div.append(el("h3", {}, "fields that changed"));
+    for (const f of d.schema) {
+      div.append(el("div", {class: "row", "data-field": f.name},
+                    `${f.name}: ${f.old || "(absent)"} → ${f.new || "(absent)"}`));
+    }
+    blocks.push(div);
+  }
+  const unit = u === "documents" ? "document" : "record";
+  for (const [side, label, count, samples] of
+           [["removed", "old", d.removed, d.removed_samples],
+            ["added", "new", d.added, d.added_samples]]) {
+    const div = el("div", {class: "diff", id: `diff-${side}`});
+    div.append(el("h2", {}, `${side}: ${count} ${u}` +
+                            (samples.length < count ? ` (the first ${samples.length} shown)` : "")));
+    for (const s of samples) {
+      const sizeText = u === "documents" ? `${s.size} tokens` : `${s.size} bytes`;
+      div.append(sampleDiv(s, `${unit} ${s.index} of the ${label} version (${sizeText})`,
+                           d[label].tokenizer));
+    }
+    blocks.push(div);
+  }
+  box.replaceChildren(...blocks);
   document.body.dataset.ready = "1";
 }
 
@@ -637,6 +839,15 @@ async function start() {
   const q = new URLSearchParams(location.search);
   $("rank").value = q.get("rank") || "0";
   $("step").value = q.get("step") || String(info.resume_step ?? 0);
+  if (info.against) {
+    $("diff-link").hidden = false;
+    $("diff-link").textContent = `diff with ${info.against}`;
+  }
+  if (q.get("view") === "diff") {
+    $("diff-link").href = "?rank=0&step=0";
+    $("diff-link").textContent = "samples";
+    return showDiff();
+  }
   if (q.get("view") === "stats") {
     $("stats-link").href = "?rank=0&step=0";
     $("stats-link").textContent = "samples";
@@ -670,6 +881,9 @@ void register_data_serve(CLI::App& data, Action& action) {
                 "the dataset directory, URL or registry name, or a run directory")
       ->required();
   add_position_options(*s, args->at);
+  s->add_option("--against", args->against,
+                "another version of the dataset (directory, URL or registry name): the page's "
+                "diff view shows which documents or records were removed and which added");
   s->add_option("--address", args->address, "host:port to listen on (port 0: any free port)")
       ->capture_default_str();
   s->add_flag("--public", args->public_address,
@@ -679,12 +893,15 @@ void register_data_serve(CLI::App& data, Action& action) {
       "With your run's reader options, the page shows exactly the samples the model sees on\n"
       "each rank at each step (the same as `loom data show`): text with token boundaries and\n"
       "ids on hover, images drawn, labels named. Pick the rank and step, or use the arrow\n"
-      "keys. ?view=stats: each field's value counts or length histogram. Read-only; nothing\n"
-      "but the dataset's samples and statistics is served.\n\n"
+      "keys. ?view=stats: each field's value counts or length histogram. With --against\n"
+      "OTHER, ?view=diff: how many documents or records the two versions share, and those\n"
+      "removed and added (compared by content). Read-only; nothing but the datasets' samples,\n"
+      "statistics and diff is served.\n\n"
       "Example: loom data serve data/kjv --world 2 --batch 8 --seq-len 64   then open\n"
       "http://127.0.0.1:8471/?rank=1&step=100\n"
       "A run directory in place of the dataset: the run's dataset and reader options, opening\n"
-      "at the step its newest checkpoint resumes at (see `loom data show --help`).");
+      "at the step its newest checkpoint resumes at (see `loom data show --help`).\n"
+      "Diff: loom data serve kjv@2 --against kjv@1   then open http://127.0.0.1:8471/?view=diff");
   s->callback([args, &action] { action = [args] { return run_serve(*args); }; });
 }
 
