@@ -20,6 +20,7 @@
 #include "loom/comm/nccl.h"
 #include "loom/comm/store.h"
 #include "loom/control/store.h"
+#include "loom/data/mixture.h"
 #include "loom/data/reader.h"
 #include "loom/error.h"
 #include "loom/metrics/logger.h"
@@ -465,6 +466,15 @@ std::unique_ptr<data::Reader> Runtime::open_dataset(const std::filesystem::path&
   // What `loom data show|serve RUN_DIR` read back: the run's datasets and reader options.
   if (rank() == 0) data::record_run_reader(impl_->run_dir, dir.string(), *reader);
   return reader;
+}
+
+std::unique_ptr<data::Mixture> Runtime::open_mixture(std::vector<data::MixtureSource> sources,
+                                                     data::MixtureOptions options) const {
+  options.rank = rank();
+  options.world_size = world_size();
+  auto mixture = std::make_unique<data::Mixture>(std::move(sources), options);
+  if (rank() == 0) data::record_run_mixture(impl_->run_dir, *mixture);
+  return mixture;
 }
 
 }  // namespace loom

@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "loom/config.h"
 #include "loom/control/tls.h"
@@ -33,7 +34,10 @@ class Group;
 class Store;
 }  // namespace comm
 namespace data {
+class Mixture;
 class Reader;
+struct MixtureOptions;
+struct MixtureSource;
 struct ReaderOptions;
 }  // namespace data
 namespace metrics {
@@ -131,8 +135,13 @@ class LOOM_API Runtime {
   // "kjv@3" (loom/data/registry.h; resolved through options.registry or
   // $LOOM_DATA_REGISTRY). options.rank and options.world_size are set from the topology,
   // everything else is the caller's (loom/data/reader.h). The errors are data::Reader's.
+  // Rank 0 records the dataset and the options in <run_dir>/readers.json, from which
+  // `loom data show|serve RUN_DIR` show what the run reads.
   std::unique_ptr<data::Reader> open_dataset(const std::filesystem::path& dir,
                                              data::ReaderOptions options) const;
+  // The same for a mixture of datasets (loom/data/mixture.h), recorded the same way.
+  std::unique_ptr<data::Mixture> open_mixture(std::vector<data::MixtureSource> sources,
+                                              data::MixtureOptions options) const;
 
   // The job's rendezvous store, created on first use: under `loom run` the coordinator's
   // key-value store, its keys scoped to this generation; with LOOM_STORE_DIR a FileStore in

@@ -94,10 +94,23 @@ struct Mixture::Impl {
     return left < global_batch();
   }
 
-  Batch next() {
+  void check_not_exhausted() const {
     LOOM_CHECK(!exhausted(), InvalidArgument, "Mixture: exhausted after ", slots,
                " samples: every source is SourceEpochs::kStop and fewer than a global batch (",
                global_batch(), ") remain; use kRepeat for sources that may start again");
+  }
+
+  // The draws of `steps` global batches, without reading their samples.
+  void skip(uint64_t steps) {
+    for (uint64_t step = 0; step < steps; ++step) {
+      check_not_exhausted();
+      for (uint64_t j = 0; j < global_batch(); ++j) ++drawn[draw(slots + j, drawn)];
+      slots += global_batch();
+    }
+  }
+
+  Batch next() {
+    check_not_exhausted();
     const uint64_t b = static_cast<uint64_t>(options.batch_size);
     const uint64_t first = static_cast<uint64_t>(options.rank) * b;
     std::vector<uint64_t> counts = drawn;
@@ -191,6 +204,7 @@ Mixture::Mixture(std::vector<MixtureSource> sources, MixtureOptions options)
 Mixture::~Mixture() = default;
 
 Batch Mixture::next() { return impl_->next(); }
+void Mixture::skip(uint64_t steps) { impl_->skip(steps); }
 bool Mixture::exhausted() const { return impl_->exhausted(); }
 
 MixtureState Mixture::state() const {
@@ -235,6 +249,7 @@ const Reader& Mixture::source(size_t i) const {
   LOOM_CHECK(i < impl_->readers.size(), InvalidArgument, "Mixture: no source ", i);
   return *impl_->readers[i];
 }
+const std::vector<MixtureSource>& Mixture::sources() const { return impl_->sources; }
 size_t Mixture::num_sources() const { return impl_->readers.size(); }
 const MixtureOptions& Mixture::options() const { return impl_->options; }
 

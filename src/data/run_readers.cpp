@@ -1,4 +1,4 @@
-// <run_dir>/readers.json: what Runtime::open_dataset opened, for the viewers' run mode.
+// <run_dir>/readers.json: what Runtime::open_dataset and open_mixture opened, for the viewers.
 #include "data/run_readers.h"
 
 #include <nlohmann/json.hpp>
@@ -12,11 +12,12 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-json entry_json(const std::string& dataset, const Reader& reader) {
-  const ReaderOptions& o = reader.options();
+// A reader's entry: what it reads and the options a position depends on.
+json entry_json(const std::string& dataset, const std::string& dir, const std::string& version,
+                const ReaderOptions& o) {
   return {{"dataset", dataset},
-          {"dir", reader.dataset().dir.string()},
-          {"version", reader.manifest().version},
+          {"dir", dir},
+          {"version", version},
           {"batch_size", o.batch_size},
           {"seq_len", o.seq_len},
           {"sampling", o.sampling == TokenSampling::kDocument ? "document" : "packed"},
@@ -31,6 +32,32 @@ json entry_json(const std::string& dataset, const Reader& reader) {
           {"image_channels", o.image_channels}};
 }
 
+// A mixture's entry: its first source's, with the mixture's options and every source.
+json mixture_json(const Mixture& mixture) {
+  const MixtureOptions& o = mixture.options();
+  json sources = json::array();
+  for (size_t s = 0; s < mixture.num_sources(); ++s) {
+    const Reader& reader = mixture.source(s);
+    const MixtureSource& spec = mixture.sources()[s];
+    sources.push_back({{"dataset", spec.dataset.string()},
+                       {"dir", reader.dataset().dir.string()},
+                       {"version", reader.manifest().version},
+                       {"weight", spec.weight},
+                       {"epochs", spec.epochs == SourceEpochs::kStop ? "stop" : "repeat"}});
+  }
+  json entry =
+      entry_json(sources[0]["dataset"].get<std::string>(), sources[0]["dir"].get<std::string>(),
+                 sources[0]["version"].get<std::string>(),
+                 {.batch_size = o.batch_size,
+                  .seq_len = o.seq_len,
+                  .sampling = o.sampling,
+                  .pad_id = o.pad_id,
+                  .seed = o.seed,
+                  .world_size = o.world_size});
+  entry["mixture"] = std::move(sources);
+  return entry;
+}
+
 json read_entries(const fs::path& file) {
   try {
     json j = json::parse(util::read_file(file));
@@ -41,19 +68,28 @@ json read_entries(const fs::path& file) {
   }
 }
 
-}  // namespace
-
-fs::path run_readers_file(const fs::path& run_dir) { return run_dir / "readers.json"; }
-
-void record_run_reader(const fs::path& run_dir, const std::string& dataset, const Reader& reader) {
+// Adds `entry` to <run_dir>/readers.json unless an equal one is there.
+void add_entry(const fs::path& run_dir, const json& entry) {
   const fs::path file = run_readers_file(run_dir);
   json entries = fs::exists(file) ? read_entries(file) : json::array();
-  const json entry = entry_json(dataset, reader);
   for (const json& e : entries) {
     if (e == entry) return;
   }
   entries.push_back(entry);
   util::write_file_atomic(file, entries.dump(2) + "\n");
+}
+
+}  // namespace
+
+fs::path run_readers_file(const fs::path& run_dir) { return run_dir / "readers.json"; }
+
+void record_run_reader(const fs::path& run_dir, const std::string& dataset, const Reader& reader) {
+  add_entry(run_dir, entry_json(dataset, reader.dataset().dir.string(), reader.manifest().version,
+                                reader.options()));
+}
+
+void record_run_mixture(const fs::path& run_dir, const Mixture& mixture) {
+  add_entry(run_dir, mixture_json(mixture));
 }
 
 std::vector<RunReader> run_readers(const fs::path& run_dir) {
@@ -82,6 +118,13 @@ std::vector<RunReader> run_readers(const fs::path& run_dir) {
       o.gamma = e.at("gamma").get<double>();
       o.gae_lambda = e.at("gae_lambda").get<double>();
       o.image_channels = e.at("image_channels").get<int>();
+      if (e.contains("mixture")) {
+        for (const json& m : e.at("mixture")) {
+          r.mixture.push_back({m.at("dataset").get<std::string>(), m.at("dir").get<std::string>(),
+                               m.at("version").get<std::string>(), m.at("weight").get<double>(),
+                               m.at("epochs") == "stop"});
+        }
+      }
       out.push_back(std::move(r));
     } catch (const json::exception& ex) {
       throw CorruptData(detail::concat(file.string(), ": reader ", out.size(), " is malformed (",

@@ -1,12 +1,14 @@
 // The readers a run opened, recorded in <run_dir>/readers.json, so that tools can show the
 // samples a run reads from its run directory alone (`loom data show|serve RUN_DIR`).
-// Runtime::open_dataset records each reader it opens, on rank 0. Private to Loom and its tools.
+// Runtime::open_dataset and open_mixture record each reader they open, on rank 0. Private to Loom
+// and its tools.
 #pragma once
 
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "loom/data/mixture.h"
 #include "loom/data/reader.h"
 
 namespace loom::data {
@@ -18,6 +20,14 @@ struct RunReader {
   std::string dir;
   std::string version;
   ReaderOptions options;  // the fields a position depends on; the rest at their defaults
+  // A mixture (Runtime::open_mixture): its sources, as named, resolved, versioned and weighted;
+  // dataset, dir and version above are then its first source's. Empty for one dataset.
+  struct Source {
+    std::string dataset, dir, version;
+    double weight = 1;
+    bool stop = false;  // SourceEpochs::kStop
+  };
+  std::vector<Source> mixture;
 };
 
 // The file the readers are recorded in.
@@ -28,6 +38,8 @@ std::filesystem::path run_readers_file(const std::filesystem::path& run_dir);
 // records). IoError when the file cannot be written.
 void record_run_reader(const std::filesystem::path& run_dir, const std::string& dataset,
                        const Reader& reader);
+// The same for a mixture.
+void record_run_mixture(const std::filesystem::path& run_dir, const Mixture& mixture);
 
 // The recorded readers, in the order they were first opened. IoError when the file is missing
 // (naming the run directory and what writes it); CorruptData when it is malformed.

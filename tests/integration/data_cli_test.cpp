@@ -21,10 +21,13 @@
 #include "harness/harness.h"
 #include "harness/servers.h"
 #include "loom/ckpt/inspect.h"
+#include "loom/config.h"
 #include "loom/data/dataset.h"
+#include "loom/data/mixture.h"
 #include "loom/data/reader.h"
 #include "loom/data/registry.h"
 #include "loom/data/vocabulary.h"
+#include "loom/runtime.h"
 #include "util/files.h"
 #include "util/hash.h"
 #include "util/subprocess.h"
@@ -862,6 +865,136 @@ TEST(DataCli, ShowAndServeARunDirectoryFromItsNewestCheckpoint) {
   EXPECT_EQ(info["seq_len"], 8);
   served.signal(SIGTERM);
   served.wait();
+}
+
+// A run that reads a mixture (Runtime::open_mixture) is shown from its run directory as well:
+// each sample names its source, and the statistics view gives each source's realised share of
+// the samples drawn up to a step beside its configured weight. Both are compared with a Mixture
+// of the same sources stepped with next().
+TEST(DataCli, ShowAndServeARunsMixtureWithItsRealisedWeights) {
+  TempDir dir;
+  std::vector<fs::path> datasets;
+  for (int d = 0; d < 2; ++d) {
+    datasets.push_back(dir / ("source" + std::to_string(d)));
+    TokenDatasetWriter writer(datasets.back(), {.vocab_size = 64});
+    for (int doc = 0; doc < 20 + 20 * d; ++doc) {
+      writer.add_document(std::vector<uint32_t>(30, static_cast<uint32_t>(doc % 64)));
+    }
+    writer.finish();
+  }
+  const std::vector<MixtureSource> sources = {
+      {.dataset = datasets[0], .weight = 3, .epochs = SourceEpochs::kStop},
+      {.dataset = datasets[1], .weight = 1}};
+  const MixtureOptions options{.batch_size = 3, .seq_len = 8, .seed = 4};
+  const fs::path run = dir / "run";
+  {
+    const std::vector<std::string> args = {"prog", "--run.dir=" + run.string(), "--log.level=warn"};
+    std::vector<const char*> argv;
+    for (const auto& a : args) argv.push_back(a.c_str());
+    Runtime rt = Runtime::init(
+        Config::from_args(Runtime::schema(), static_cast<int>(argv.size()), argv.data()),
+        Topology{}, /*configure_process=*/false);
+    rt.open_mixture(sources, options);
+  }
+
+  // Step 3: the batch a Mixture gives after 3 next() calls, source by source.
+  Mixture expected(sources, options);
+  for (int s = 0; s < 3; ++s) expected.next();
+  const Batch batch = expected.next();
+  ProgramResult r = loom({"data", "show", run.string(), "--step", "3", "--color", "never"}, dir);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.substr(0, r.output.find('\n')),
+            "run " + run.string() + ": reader 0; no checkpoint yet, so from step 0");
+  std::string want = "mixture of 2 datasets: 0: " + datasets[0].string() +
+                     " (weight 3, one epoch), 1: " + datasets[1].string() +
+                     " (weight 1)\nrank 0 of 1, step 3, seed 4, 3 samples per rank\n";
+  for (size_t k = 0; k < 3; ++k) {
+    want += "sample " + std::to_string(k) + ": source " + std::to_string(batch.sources[k]) +
+            ", dataset index " + std::to_string(batch.indices[k]) + "\n";
+  }
+  std::string shown;  // the header and each sample's line, without the tokens
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("mixture", 0) == 0 || line.rfind("rank", 0) == 0 ||
+        line.rfind("sample", 0) == 0) {
+      shown += line + "\n";
+    }
+  }
+  EXPECT_EQ(shown, want) << r.output;
+
+  // The browser view: the batch's sources, and the realised weights up to step 5 (6 steps).
+  const int port = testing::free_port();
+  auto served = util::Subprocess::spawn(
+      {.argv = {LOOM_BINARY_DIR "/tools/loom/loom", "data", "serve", run.string(), "--address",
+                "127.0.0.1:" + std::to_string(port)},
+       .output = dir / "serve.out"});
+  httplib::Client client("127.0.0.1", port);
+  std::string body;
+  for (int i = 0; i < 300 && body.empty(); ++i) {
+    if (httplib::Result got = client.Get("/api/batch?rank=0&step=3")) {
+      body = got->body;
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  ASSERT_FALSE(body.empty()) << util::read_file(dir / "serve.out");
+  const nlohmann::json b = nlohmann::json::parse(body);
+  for (size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(b["samples"][k]["source"], batch.sources[k]) << k;
+    EXPECT_EQ(b["samples"][k]["source_name"], datasets[batch.sources[k]].string()) << k;
+    EXPECT_EQ(b["samples"][k]["index"], batch.indices[k]) << k;
+  }
+  const httplib::Result res = client.Get("/api/stats?step=5");
+  ASSERT_TRUE(res);
+  Mixture six(sources, options);
+  for (int s = 0; s < 6; ++s) six.next();
+  const MixtureState state = six.state();
+  nlohmann::json weights = nlohmann::json::array();
+  for (size_t k = 0; k < 2; ++k) {
+    weights.push_back({{"dataset", datasets[k].string()},
+                       {"weight", sources[k].weight},
+                       {"one_epoch", k == 0},
+                       {"share", sources[k].weight / 4.0},
+                       {"drawn", state.sources[k].drawn},
+                       {"realised", static_cast<double>(state.sources[k].drawn) / 18.0}});
+  }
+  EXPECT_EQ(nlohmann::json::parse(res->body),
+            (nlohmann::json{{"steps", 6}, {"samples", 18}, {"mixture", weights}}));
+  if (testing::Browser::available()) {
+    testing::Browser browser;
+    browser.open("http://127.0.0.1:" + std::to_string(port) + "/?view=stats&step=5");
+    ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
+    browser.screenshot(fs::path(LOOM_BINARY_DIR "/test-artifacts/data_serve") /
+                       "mixture_stats.png");
+    const nlohmann::json rows = nlohmann::json::parse(browser.run(R"JS(
+      return [...document.querySelectorAll('.stat[data-field=mixture] .row')].map(
+          r => [r.dataset.key, Number(r.dataset.count)]);)JS"));
+    EXPECT_EQ(rows, nlohmann::json::parse("[[\"" + datasets[0].string() + "\", " +
+                                          std::to_string(state.sources[0].drawn) + "], [\"" +
+                                          datasets[1].string() + "\", " +
+                                          std::to_string(state.sources[1].drawn) + "]]"));
+  }
+  served.signal(SIGTERM);
+  served.wait();
+
+  // A source rebuilt since the run: its samples are not the run's any more, and both viewers
+  // say so, naming the two versions.
+  const std::string before = Reader(datasets[1], {.seq_len = 8}).manifest().version;
+  fs::remove_all(datasets[1]);
+  {
+    TokenDatasetWriter writer(datasets[1], {.vocab_size = 64});
+    writer.add_document(std::vector<uint32_t>(100, 1));
+    writer.finish();
+  }
+  const std::string after = Reader(datasets[1], {.seq_len = 8}).manifest().version;
+  for (const char* command : {"show", "serve"}) {
+    r = loom({"data", command, run.string()}, dir);
+    EXPECT_EQ(r.exit_code, 2) << command;
+    EXPECT_EQ(r.output, "error: " + datasets[1].string() + " is now version " + after +
+                            " but the run read version " + before +
+                            "; the run's samples are not there any more\n")
+        << command;
+  }
 }
 
 }  // namespace

@@ -206,12 +206,16 @@ TEST(DataServe, TheBrowserShowsRecordsImagesLabelsAndText) {
   {
     RecordDatasetWriter writer(ds, {{"image", FieldType::kTensor, "uint8", {4, 5}},
                                     {"label", FieldType::kInt, "", {}, {"cat", "dog", "bird"}},
-                                    {"caption", FieldType::kText}});
+                                    {"caption", FieldType::kText},
+                                    {"source", FieldType::kText}});
     for (int i = 0; i < 30; ++i) {
       uint8_t pixels[20];
       for (int k = 0; k < 20; ++k) pixels[k] = static_cast<uint8_t>((i * 37 + k * 11) % 256);
-      writer.add(
-          Record().tensor(pixels, 20, {4, 5}).integer(i % 3).text("photo " + std::to_string(i)));
+      writer.add(Record()
+                     .tensor(pixels, 20, {4, 5})
+                     .integer(i % 3)
+                     .text("photo " + std::to_string(i))
+                     .text(i % 4 == 0 ? "web" : "books"));
     }
     writer.finish();
   }
@@ -251,6 +255,12 @@ TEST(DataServe, TheBrowserShowsRecordsImagesLabelsAndText) {
   EXPECT_EQ(stats["caption"][0], json::parse(R"J(["7 – 7.1", 10])J"));
   EXPECT_EQ(stats["caption"][9], json::parse(R"J(["7.9 – 8", 20])J"));
   for (int b = 1; b < 9; ++b) EXPECT_EQ(stats["caption"][b][1], 0) << b;
+  // A text field of few values is counted per value too (30 distinct captions are not).
+  EXPECT_EQ(stats["source:values"], json::parse(R"J([["books", 22], ["web", 8]])J"));
+  ASSERT_EQ(stats["source"].size(), 10u) << stats;  // and its lengths: "web" 3, "books" 5
+  EXPECT_EQ(stats["source"][0], json::parse(R"J(["3 – 3.2", 8])J"));
+  EXPECT_EQ(stats["source"][9], json::parse(R"J(["4.8 – 5", 22])J"));
+  EXPECT_EQ(stats.count("caption:values"), 0u);
 }
 
 // Every canvas pixel of a sample, as RGBA, and the tokens and images of a multimodal sequence

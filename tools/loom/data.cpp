@@ -284,27 +284,42 @@ void print_episode(std::ostream& out, const data::Batch& batch, int64_t r) {
 // The samples rank `rank` reads at `step`, as `loom data show` prints them.
 void print_show(std::ostream& out, const ShowArgs& args, int rank, uint64_t step,
                 const Style& style) {
-  const std::unique_ptr<data::Reader> positioned = reader_at(args.at, rank, step);
+  const bool mixed = !args.at.mix.empty();
+  const std::unique_ptr<data::Reader> positioned = reader_at(args.at, rank, mixed ? 0 : step);
   data::Reader& reader = *positioned;
   const data::Manifest& m = reader.manifest();
   const uint64_t steps = reader.steps_per_epoch();
-  const data::Batch batch = reader.next();
+  const data::Batch batch = mixed ? mixture_at(args.at, rank, step)->next() : reader.next();
   if (args.resume) {
-    out << style.bold("run " + args.at.run) << ": reader " << args.at.reader << "; its newest "
-        << "checkpoint resumes at step " << *args.resume << "\n";
+    out << style.bold("run " + args.at.run) << ": reader " << args.at.reader << "; "
+        << (args.at.checkpointed ? "its newest checkpoint resumes at step "
+                                 : "no checkpoint yet, so from step ")
+        << *args.resume << "\n";
   }
-  out << style.bold("dataset " + args.at.dir) << " (version " << m.version << ", "
-      << reader.num_samples() << " samples)\n"
-      << "rank " << rank << " of " << args.at.world << ", step " << step << " = epoch "
-      << batch.epoch << " step " << step % steps << " of " << steps << ", seed " << args.at.seed
-      << ", " << args.at.batch << " samples per rank\n";
+  if (mixed) {
+    out << style.bold("mixture of " + std::to_string(args.at.mix.size()) + " datasets") << ":";
+    for (size_t k = 0; k < args.at.mix.size(); ++k) {
+      const data::RunReader::Source& source = args.at.mix[k];
+      out << (k ? "," : "") << " " << k << ": " << source.dataset << " (weight " << source.weight
+          << (source.stop ? ", one epoch" : "") << ")";
+    }
+    out << "\nrank " << rank << " of " << args.at.world << ", step " << step << ", seed "
+        << args.at.seed << ", " << args.at.batch << " samples per rank\n";
+  } else {
+    out << style.bold("dataset " + args.at.dir) << " (version " << m.version << ", "
+        << reader.num_samples() << " samples)\n"
+        << "rank " << rank << " of " << args.at.world << ", step " << step << " = epoch "
+        << batch.epoch << " step " << step % steps << " of " << steps << ", seed " << args.at.seed
+        << ", " << args.at.batch << " samples per rank\n";
+  }
   std::unique_ptr<data::Vocabulary> vocab;
   if (m.kind == data::DatasetKind::kTokens && !m.tokenizer.empty()) {
     vocab = std::make_unique<data::Vocabulary>(data::Vocabulary::of_dataset(reader.dataset().dir));
   }
   for (int64_t r = 0; r < static_cast<int64_t>(batch.indices.size()); ++r) {
-    out << style.bold("sample " + std::to_string(r)) << ": dataset index " << batch.indices[r]
-        << (r >= batch.num_real ? " (padding: masked out)" : "") << "\n";
+    out << style.bold("sample " + std::to_string(r)) << ": "
+        << (mixed ? "source " + std::to_string(batch.sources[r]) + ", " : "") << "dataset index "
+        << batch.indices[r] << (r >= batch.num_real ? " (padding: masked out)" : "") << "\n";
     if (m.kind == data::DatasetKind::kTokens) {
       const auto mask = batch.tensors.count("mask") ? batch["mask"][r] : at::Tensor();
       print_tokens(out, batch["tokens"][r], mask, vocab.get(), style, args.ids);
@@ -486,7 +501,10 @@ std::optional<uint64_t> from_run(DataPosition& p) {
   const std::vector<data::RunReader> readers = data::run_readers(run);
   std::string names;
   for (size_t i = 0; i < readers.size(); ++i) {
-    names += detail::concat(i ? ", " : "", i, ": ", readers[i].dataset);
+    names += detail::concat(i ? ", " : "", i, ": ",
+                            readers[i].mixture.empty()
+                                ? readers[i].dataset
+                                : detail::concat("a mixture of ", readers[i].mixture.size()));
   }
   LOOM_CHECK(p.reader >= 0 && static_cast<size_t>(p.reader) < readers.size(), InvalidArgument,
              "--reader ", p.reader, ": ", p.dir, " opened ", readers.size(), " dataset",
@@ -504,9 +522,17 @@ std::optional<uint64_t> from_run(DataPosition& p) {
   p.pad_id = o.pad_id;
   p.gamma = o.gamma;
   p.gae_lambda = o.gae_lambda;
+  p.mix = r.mixture;
+  std::vector<std::pair<std::string, std::string>> read;  // (dir, the version the run read)
+  for (const data::RunReader::Source& source : r.mixture)
+    read.emplace_back(source.dir, source.version);
+  if (read.empty()) read.emplace_back(r.dir, r.version);
+  for (const auto& [dir, version] : read) {
+    const std::string now = data::read_manifest(dir, data::RemoteOptions{}).version;
+    LOOM_CHECK(now == version, InvalidArgument, dir, " is now version ", now,
+               " but the run read version ", version, "; the run's samples are not there any more");
+  }
   const data::Manifest m = data::read_manifest(p.dir, data::RemoteOptions{});
-  LOOM_CHECK(m.version == r.version, InvalidArgument, p.dir, " is now version ", m.version,
-             " but the run read version ", r.version, "; the run's samples are not there any more");
   p.sampling =
       m.kind == data::DatasetKind::kTokens
           ? (o.sampling == data::TokenSampling::kDocument ? "document" : "packed")
@@ -514,14 +540,17 @@ std::optional<uint64_t> from_run(DataPosition& p) {
           ? (o.episode_sampling == data::EpisodeSampling::kTransition ? "transition" : "episode")
           : "";
   const std::vector<int64_t> steps = ckpt::committed_steps(run / "ckpt");
+  p.checkpointed = !steps.empty();
   if (steps.empty()) return 0;
   const ckpt::StepSummary newest = ckpt::describe_step(run / "ckpt", steps.back());
   const auto blob = newest.blobs.find("reader");
   LOOM_CHECK(blob != newest.blobs.end() && !blob->second.empty(), InvalidArgument, "checkpoint ",
              newest.path.string(), " holds no reader position; pass --step");
+  const uint64_t global_batch = static_cast<uint64_t>(p.batch * p.world);
+  if (!p.mix.empty()) return data::MixtureState::from_json(blob->second).slots / global_batch;
   const data::SamplerState state = data::SamplerState::from_json(blob->second);
   const uint64_t per_epoch = reader_at(p, 0, 0)->steps_per_epoch();
-  return state.epoch * per_epoch + state.position / static_cast<uint64_t>(p.batch * p.world);
+  return state.epoch * per_epoch + state.position / global_batch;
 }
 
 at::Tensor unpadded(const data::Batch& batch, const std::string& name, int64_t r) {
@@ -574,6 +603,27 @@ std::unique_ptr<data::Reader> reader_at(const DataPosition& p, int rank, uint64_
   return reader;
 }
 
+std::unique_ptr<data::Mixture> mixture_at(const DataPosition& p, int rank, uint64_t step) {
+  std::vector<data::MixtureSource> sources;
+  for (const data::RunReader::Source& s : p.mix) {
+    sources.push_back({.dataset = s.dir,
+                       .weight = s.weight,
+                       .epochs = s.stop ? data::SourceEpochs::kStop : data::SourceEpochs::kRepeat});
+  }
+  auto mixture = std::make_unique<data::Mixture>(
+      std::move(sources),
+      data::MixtureOptions{.batch_size = p.batch,
+                           .seq_len = p.seq_len,
+                           .sampling = p.sampling == "document" ? data::TokenSampling::kDocument
+                                                                : data::TokenSampling::kPacked,
+                           .pad_id = p.pad_id,
+                           .seed = p.seed,
+                           .rank = rank,
+                           .world_size = p.world});
+  mixture->skip(step);
+  return mixture;
+}
+
 void register_data(CLI::App& app, Action& action) {
   CLI::App* data = app.add_subcommand("data", "Build, verify and look into datasets.");
   data->require_subcommand(1);
@@ -619,8 +669,8 @@ void register_data(CLI::App& app, Action& action) {
       "--interactive: the same full-screen, stepping through steps and ranks with the keys.\n"
       "`loom data serve` shows it in a browser.\n"
       "A run directory in place of the dataset takes the dataset and every reader option from\n"
-      "the run (what its program opened through Runtime::open_dataset, in readers.json) and\n"
-      "starts at the step its newest checkpoint resumes at:\n"
+      "the run (what its program opened through Runtime::open_dataset or open_mixture, in\n"
+      "readers.json) and starts at the step its newest checkpoint resumes at:\n"
       "  loom data show runs/gpt --rank 1     # what rank 1 reads next when the run resumes");
   s->callback([show, &action] { action = [show] { return run_show(*show); }; });
 }

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "commands.h"
+#include "data/run_readers.h"
+#include "loom/data/mixture.h"
 #include "loom/data/reader.h"
 
 namespace loom::cli {
@@ -27,6 +29,9 @@ struct DataPosition {
   double gamma = 0.99, gae_lambda = 0.95;  // from a run only
   std::string run;                         // the run directory `dir` named, once from_run() read it
   int reader = 0;                          // --reader: which of the run's readers
+  bool checkpointed = false;               // the run has a checkpoint (from_run)
+  // A run's mixture (Runtime::open_mixture): its sources; `dir` is then the first one's.
+  std::vector<data::RunReader::Source> mix;
   std::vector<const CLI::Option*> options;  // the position options, refused with a run
 };
 
@@ -51,6 +56,9 @@ at::Tensor image_of(const data::Batch& batch, const std::string& name, int64_t r
 // Rank `rank`'s reader of the run, positioned so that its next() is the batch the rank reads
 // at training step `step` (counting from 0 over all epochs), as the Trainer's reader does.
 std::unique_ptr<data::Reader> reader_at(const DataPosition& position, int rank, uint64_t step);
+
+// The same for a run's mixture (position.mix): skipped to `step` (Mixture::skip).
+std::unique_ptr<data::Mixture> mixture_at(const DataPosition& position, int rank, uint64_t step);
 
 // `loom data serve DATASET` (data_serve.cpp), added under `data`.
 void register_data_serve(CLI::App& data, Action& action);

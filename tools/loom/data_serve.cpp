@@ -154,8 +154,19 @@ json samples_json(const data::Manifest& m, const data::Batch& batch,
   return samples;
 }
 
-// The batch rank `rank` reads at `step`, as /api/batch answers it.
+// The batch rank `rank` reads at `step`, as /api/batch answers it. A mixture's batch has no
+// epoch (each source has its own) and says each sample's source.
 json batch_json(const DataPosition& at, int rank, uint64_t step, const data::Vocabulary* vocab) {
+  if (!at.mix.empty()) {
+    const std::unique_ptr<data::Mixture> mixture = mixture_at(at, rank, step);
+    const data::Batch batch = mixture->next();
+    json samples = samples_json(mixture->source(0).manifest(), batch, vocab);
+    for (size_t r = 0; r < samples.size(); ++r) {
+      samples[r]["source"] = batch.sources[r];
+      samples[r]["source_name"] = at.mix[batch.sources[r]].dataset;
+    }
+    return {{"rank", rank}, {"step", step}, {"samples", std::move(samples)}};
+  }
   const std::unique_ptr<data::Reader> reader = reader_at(at, rank, step);
   const uint64_t steps = reader->steps_per_epoch();
   const data::Batch batch = reader->next();
@@ -279,6 +290,13 @@ json diff_json(const DiffSide& old_side, const DiffSide& new_side) {
 
 json dataset_json(const DataPosition& at, std::optional<uint64_t> resume) {
   const std::unique_ptr<data::Reader> reader = reader_at(at, 0, 0);
+  json mixture = json::array();  // a run's mixture: its sources, the first one's manifest above
+  for (const data::RunReader::Source& s : at.mix) {
+    mixture.push_back({{"dataset", s.dataset},
+                       {"version", s.version},
+                       {"weight", s.weight},
+                       {"one_epoch", s.stop}});
+  }
   const data::Manifest& m = reader->manifest();
   json schema = json::array();
   for (const data::Field& f : m.schema) {
@@ -305,17 +323,21 @@ json dataset_json(const DataPosition& at, std::optional<uint64_t> resume) {
           {"epoch_end", at.epoch_end},
           {"tokenizer", !m.tokenizer.empty()},
           {"run", at.run},
-          {"resume_step", resume ? json(*resume) : json()},
+          {"resume_step", resume && at.checkpointed ? json(*resume) : json()},
+          {"mixture", mixture},
           {"schema", std::move(schema)}};
 }
 
 // Statistics over the first kStatsSamples samples of the dataset (all of a smaller one), per
 // field: an int field's count per value (named by its classes), a text or bytes field's
 // length histogram, a float field's value histogram, a ragged tensor field's length histogram
-// (a sequence's tokens, an episode's steps), another tensor field's count per shape. Token
+// (a sequence's tokens, an episode's steps), another tensor field's count per shape; a text
+// field of at most kTextValues distinct values is counted per value as well. Token
 // datasets: their totals from the manifest, and the length histogram of their first
 // kStatsSamples documents.
 constexpr uint64_t kStatsSamples = 200'000;
+// A text field with at most this many distinct values is also counted per value.
+constexpr size_t kTextValues = 20;
 
 // `values` in 10 equal-width bins from their least to their greatest: [{from, to, count}].
 json histogram(const std::vector<double>& values) {
@@ -357,8 +379,9 @@ json stats_json(const DataPosition& at) {
   }
   const uint64_t counted = std::min(total, kStatsSamples);
   json out = {{"samples", total}, {"counted", counted}, {"fields", json::array()}};
-  std::map<std::string, std::map<std::string, uint64_t>> counts;  // int and tensor fields
-  std::map<std::string, std::vector<double>> values;              // text, bytes, float fields
+  std::map<std::string, std::map<std::string, uint64_t>> counts;       // int and tensor fields
+  std::map<std::string, std::vector<double>> values;                   // text, bytes, float fields
+  std::map<std::string, std::map<std::string, uint64_t>> text_counts;  // text fields, while few
   for (uint64_t begin = 0; begin < counted; begin += 256) {
     std::vector<uint64_t> indices;
     for (uint64_t i = begin; i < std::min(counted, begin + 256); ++i) indices.push_back(i);
@@ -395,10 +418,14 @@ json stats_json(const DataPosition& at) {
             break;
           }
           case data::FieldType::kText:
-          case data::FieldType::kBytes:
-            values[f.name].push_back(
-                static_cast<double>(batch.strings.at(f.name)[static_cast<size_t>(r)].size()));
+          case data::FieldType::kBytes: {
+            const std::string& value = batch.strings.at(f.name)[static_cast<size_t>(r)];
+            values[f.name].push_back(static_cast<double>(value.size()));
+            // A text field of few values (a source, a language, a split) is counted per value.
+            std::map<std::string, uint64_t>& seen = text_counts[f.name];
+            if (f.type == data::FieldType::kText && seen.size() <= kTextValues) ++seen[value];
             break;
+          }
           case data::FieldType::kFloat:
             values[f.name].push_back(batch[f.name][r].item<double>());
             break;
@@ -418,10 +445,40 @@ json stats_json(const DataPosition& at) {
       field["of"] = f.type == data::FieldType::kFloat    ? "its value"
                     : f.type == data::FieldType::kTensor ? "its length (first dimension)"
                                                          : "its length in bytes";
+      const auto text = text_counts.find(f.name);
+      if (text != text_counts.end() && text->second.size() <= kTextValues) {
+        json c = json::array();
+        for (const auto& [key, n] : text->second) c.push_back({{"key", key}, {"count", n}});
+        field["counts"] = std::move(c);
+      }
     }
     out["fields"].push_back(std::move(field));
   }
   return out;
+}
+
+// A mixture's realised weights over steps 0 to `step` (all ranks): each source's configured
+// weight and share, the samples drawn from it and their share of all drawn. Its sources leave
+// the mix after one epoch when they are kStop, so the two shares differ by more than chance
+// then.
+json mixture_stats_json(const DataPosition& at, uint64_t step) {
+  const std::unique_ptr<data::Mixture> mixture = mixture_at(at, 0, step + 1);
+  const data::MixtureState state = mixture->state();
+  double total = 0;
+  for (const data::RunReader::Source& s : at.mix) total += s.weight;
+  json sources = json::array();
+  for (size_t k = 0; k < at.mix.size(); ++k) {
+    const data::RunReader::Source& s = at.mix[k];
+    const uint64_t drawn = state.sources[k].drawn;
+    sources.push_back(
+        {{"dataset", s.dataset},
+         {"weight", s.weight},
+         {"one_epoch", s.stop},
+         {"share", s.weight / total},
+         {"drawn", drawn},
+         {"realised", static_cast<double>(drawn) / static_cast<double>(state.slots)}});
+  }
+  return {{"steps", step + 1}, {"samples", state.slots}, {"mixture", std::move(sources)}};
 }
 
 // A query parameter as a non-negative integer; InvalidArgument naming it otherwise.
@@ -459,11 +516,19 @@ int run_serve(const ServeArgs& args) {
     });
     // Computed on first request, once.
     auto stats = std::make_shared<std::pair<std::mutex, std::string>>();
-    server.Get("/api/stats", [at, stats](const httplib::Request&, httplib::Response& res) {
+    server.Get("/api/stats", [at, stats](const httplib::Request& req, httplib::Response& res) {
       std::lock_guard<std::mutex> lock(stats->first);
       try {
+        if (!at.mix.empty()) {  // up to the page's step: a few draws, not cached
+          res.set_content(mixture_stats_json(at, number_param(req, "step")).dump(),
+                          "application/json");
+          return;
+        }
         if (stats->second.empty()) stats->second = stats_json(at).dump();
         res.set_content(stats->second, "application/json");
+      } catch (const InvalidArgument& e) {
+        res.status = 400;
+        res.set_content(std::string(e.what()) + "\n", "text/plain");
       } catch (const Error& e) {
         res.status = 500;
         res.set_content(std::string(e.what()) + "\n", "text/plain");
@@ -473,6 +538,8 @@ int run_serve(const ServeArgs& args) {
     // starts, the comparison computed on first request, once.
     std::shared_ptr<std::pair<DiffSide, DiffSide>> sides;
     if (!args.against.empty()) {
+      LOOM_CHECK(at.mix.empty(), InvalidArgument, "--against: ", at.run,
+                 " reads a mixture; the diff view compares two datasets (serve one of them)");
       sides = std::make_shared<std::pair<DiffSide, DiffSide>>(diff_side(at, args.against),
                                                               diff_side(at, at.dir));
       const data::Manifest& a = sides->first.reader->manifest();
@@ -698,22 +765,29 @@ function episodePlot(ep) {
   return box;
 }
 
+// The JSON at `url`; or, when the server refuses, its reason shown in `box` and null.
+async function fetchOrShowError(box, url) {
+  const res = await fetch(url);
+  if (res.ok) return res.json();
+  box.replaceChildren(el("div", {class: "error"}, await res.text()));
+  document.body.dataset.ready = "1";
+  return null;
+}
+
 async function show() {
   const rank = Number($("rank").value), step = Math.max(0, Number($("step").value) || 0);
   document.body.dataset.ready = "0";
   history.replaceState(null, "", `?rank=${rank}&step=${step}`);
-  const res = await fetch(`api/batch?rank=${rank}&step=${step}`);
   const box = $("samples");
-  if (!res.ok) {
-    box.replaceChildren(el("div", {class: "error"}, await res.text()));
-    document.body.dataset.ready = "1";
-    return;
-  }
-  const b = await res.json();
-  $("where").textContent = `rank ${b.rank} of ${info.world}, step ${b.step} = epoch ${b.epoch} ` +
-      `step ${b.epoch_step} of ${b.steps_per_epoch}; seed ${info.seed}, ${info.batch} per rank`;
+  const b = await fetchOrShowError(box, `api/batch?rank=${rank}&step=${step}`);
+  if (!b) return;
+  $("where").textContent = `rank ${b.rank} of ${info.world}, step ${b.step}` +
+      (b.epoch !== undefined ? ` = epoch ${b.epoch} step ${b.epoch_step} of ${b.steps_per_epoch}`
+                             : "") + `; seed ${info.seed}, ${info.batch} per rank`;
+  $("stats-link").href = `?view=stats&step=${step}`;
   box.replaceChildren(...b.samples.map(s => sampleDiv(s,
-      `sample ${s.row}: dataset index ${s.index}` + (s.padding ? " (padding: masked out)" : ""),
+      `sample ${s.row}: ` + (s.source !== undefined ? `source ${s.source} (${s.source_name}), ` : "") +
+      `dataset index ${s.index}` + (s.padding ? " (padding: masked out)" : ""),
       info.tokenizer)));
   document.body.dataset.ready = "1";
 }
@@ -748,14 +822,9 @@ function sampleDiv(s, title, tokenizer) {
 async function showDiff() {
   document.body.dataset.ready = "0";
   $("where").textContent = `diff with ${info.against}`;
-  const res = await fetch("api/diff");
   const box = $("samples");
-  if (!res.ok) {
-    box.replaceChildren(el("div", {class: "error"}, await res.text()));
-    document.body.dataset.ready = "1";
-    return;
-  }
-  const d = await res.json();
+  const d = await fetchOrShowError(box, "api/diff");
+  if (!d) return;
   const u = d.unit;
   const head = el("div", {class: "stat", id: "diff-summary"});
   head.append(el("h3", {}, `${d.same} ${u} in both, ${d.removed} removed, ${d.added} added`),
@@ -793,27 +862,50 @@ async function showDiff() {
 async function showStats() {
   document.body.dataset.ready = "0";
   $("where").textContent = "statistics";
-  const res = await fetch("api/stats");
   const box = $("samples");
-  if (!res.ok) {
-    box.replaceChildren(el("div", {class: "error"}, await res.text()));
+  const step = Number(new URLSearchParams(location.search).get("step")) || 0;
+  const st = await fetchOrShowError(box, `api/stats?step=${step}`);
+  if (!st) return;
+  if (st.mixture) {
+    // A mixture: each source's configured share beside its realised share up to this step.
+    const head = el("div", {class: "stat", id: "stats-summary"});
+    head.append(el("h3", {}, `mixture of ${st.mixture.length} datasets: ${st.samples} samples ` +
+                             `drawn in steps 0 to ${st.steps - 1} (all ranks)`));
+    const div = el("div", {class: "stat", "data-field": "mixture"});
+    div.append(el("h3", {}, "realised weights (bar: realised share; configured share beside)"));
+    const pct = x => `${(100 * x).toFixed(1)}%`;
+    for (const m of st.mixture) {
+      const row = el("div", {class: "row", "data-key": m.dataset, "data-count": m.drawn,
+                             "data-share": m.share, "data-realised": m.realised});
+      const bar = el("div", {class: "bar"});
+      bar.style.width = `${Math.max(1, 300 * m.realised)}px`;
+      row.append(el("span", {class: "key"}, m.dataset), bar,
+                 el("span", {}, `${pct(m.realised)} (${m.drawn} samples); weight ${m.weight} = ` +
+                                `${pct(m.share)}` + (m.one_epoch ? ", one epoch" : "")));
+      div.append(row);
+    }
+    box.replaceChildren(head, div);
     document.body.dataset.ready = "1";
     return;
   }
-  const st = await res.json();
   const head = el("div", {class: "stat", id: "stats-summary"});
   head.append(el("h3", {}, st.tokens !== undefined
       ? `${st.documents_counted} of ${st.documents} documents counted · ${st.tokens} tokens, ` +
         `${st.shards} shards`
       : `${st.counted} of ${st.samples} samples counted`));
   const blocks = [head];
-  for (const f of st.fields) {
-    const div = el("div", {class: "stat", "data-field": f.name});
-    div.append(el("h3", {}, f.counts ? `${f.name}: count per ${f.type === "int" ? "value" : "shape"}`
-                                     : `${f.name}: histogram of ${f.of}`));
-    const rows = f.counts ? f.counts.map(c => [c.key, c.count])
-                          : f.histogram.map(b => [`${+b.from.toFixed(2)} – ${+b.to.toFixed(2)}`,
-                                                  b.count]);
+  // A text field of few values has both its counts per value and its length histogram.
+  const blocks_of = f => [
+    ...(f.counts ? [{id: f.histogram ? `${f.name}:values` : f.name,
+                     title: `${f.name}: count per ${["int", "text"].includes(f.type) ? "value"
+                                                                                    : "shape"}`,
+                     rows: f.counts.map(c => [c.key, c.count])}] : []),
+    ...(f.histogram ? [{id: f.name, title: `${f.name}: histogram of ${f.of}`,
+                        rows: f.histogram.map(b => [`${+b.from.toFixed(2)} – ${+b.to.toFixed(2)}`,
+                                                    b.count])}] : [])];
+  for (const {id, title, rows} of st.fields.flatMap(blocks_of)) {
+    const div = el("div", {class: "stat", "data-field": id});
+    div.append(el("h3", {}, title));
     const most = Math.max(1, ...rows.map(r => r[1]));
     for (const [key, count] of rows) {
       const row = el("div", {class: "row", "data-key": key, "data-count": count});
@@ -831,8 +923,10 @@ async function showStats() {
 async function start() {
   info = await (await fetch("api/dataset")).json();
   $("dataset").textContent = (info.run ? `run ${info.run} · ` : "") +
-                             `${info.dataset} · ${info.kind} · ${info.samples} samples · ` +
-                             `version ${info.version}` +
+      (info.mixture.length
+          ? `mixture of ${info.mixture.map(m => `${m.dataset} (weight ${m.weight})`).join(", ")}` +
+            ` · ${info.kind}`
+          : `${info.dataset} · ${info.kind} · ${info.samples} samples · version ${info.version}`) +
                              (info.resume_step !== null ? ` · resumes at step ${info.resume_step}`
                                                         : "");
   for (let r = 0; r < info.world; ++r) $("rank").append(el("option", {value: r}, String(r)));
@@ -849,7 +943,7 @@ async function start() {
     return showDiff();
   }
   if (q.get("view") === "stats") {
-    $("stats-link").href = "?rank=0&step=0";
+    $("stats-link").href = `?rank=0&step=${Number(q.get("step")) || 0}`;
     $("stats-link").textContent = "samples";
     return showStats();
   }

@@ -95,6 +95,10 @@ class LOOM_API Mixture final : public BatchSource {
   // The next batch: tensors as data::Reader's (stacked over rows from several sources),
   // indices = each row's sample index in its source, sources = each row's source.
   Batch next() override;
+  // Moves on `steps` global batches as next() would, drawing their sources without reading
+  // their samples (for tools that show step S: O(S x global batch) draws). Exhaustion is the
+  // same InvalidArgument as next()'s, with the steps before it taken.
+  void skip(uint64_t steps);
   // True once every source is kStop and fewer than a global batch of samples remain.
   bool exhausted() const;
 
@@ -112,6 +116,8 @@ class LOOM_API Mixture final : public BatchSource {
   // Per-source Readers (for manifests and read()); index as in the constructor's list.
   const Reader& source(size_t i) const;
   size_t num_sources() const;
+  // The sources as given to the constructor (datasets, weights, epochs).
+  const std::vector<MixtureSource>& sources() const;
   const MixtureOptions& options() const;
 
  private:

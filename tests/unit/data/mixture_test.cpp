@@ -195,6 +195,33 @@ TEST(Mixture, StopSourcesLeaveTheMixAfterOneEpochAndAnAllStopMixtureEnds) {
   EXPECT_TRUE(testing::contains(message, "exhausted after 48 samples")) << message;
 }
 
+// skip(n) stands where n next() calls stand, state and the batch after it alike, with kStop
+// sources leaving the mix on the way; past the end it is next()'s exhaustion error.
+TEST(Mixture, SkipDrawsAsNextDoesWithoutReading) {
+  TempDir dir;
+  const fs::path small = counting_dataset(dir, 0, 10);
+  const fs::path big = counting_dataset(dir, 1, 40);
+  const std::vector<MixtureSource> sources = {
+      {.dataset = small, .weight = 3, .epochs = SourceEpochs::kStop}, {.dataset = big}};
+  const MixtureOptions options{
+      .batch_size = 3, .seq_len = kSeqLen, .seed = 8, .rank = 1, .world_size = 2};
+  for (const uint64_t steps : {0, 1, 4, 9}) {
+    Mixture read(sources, options), skipped(sources, options);
+    for (uint64_t i = 0; i < steps; ++i) read.next();
+    skipped.skip(steps);
+    EXPECT_EQ(skipped.state().to_json(), read.state().to_json()) << steps;
+    const Batch a = read.next(), b = skipped.next();
+    EXPECT_EQ(b.indices, a.indices) << steps;
+    EXPECT_EQ(b.sources, a.sources) << steps;
+    EXPECT_TRUE(at::equal(b["tokens"], a["tokens"])) << steps;
+  }
+  Mixture ending({{.dataset = small, .epochs = SourceEpochs::kStop}},
+                 {.batch_size = 2, .seq_len = kSeqLen, .world_size = 2});
+  const std::string message = error_of<InvalidArgument>([&] { ending.skip(3); });
+  EXPECT_TRUE(testing::contains(message, "exhausted after 8 samples")) << message;
+  EXPECT_EQ(ending.state().slots, 8u);
+}
+
 TEST(Mixture, BadInputIsNamed) {
   TempDir dir;
   const fs::path a = counting_dataset(dir, 0, 10);
