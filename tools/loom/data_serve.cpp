@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -490,6 +491,20 @@ uint64_t number_param(const httplib::Request& req, const char* name) {
   return *value;
 }
 
+// Answers with the JSON `body()` returns; with its error as plain text otherwise: 400 for bad
+// parameters (InvalidArgument), 500 for the rest.
+void answer(httplib::Response& res, const std::function<std::string()>& body) {
+  try {
+    res.set_content(body(), "application/json");
+  } catch (const InvalidArgument& e) {
+    res.status = 400;
+    res.set_content(std::string(e.what()) + "\n", "text/plain");
+  } catch (const Error& e) {
+    res.status = 500;
+    res.set_content(std::string(e.what()) + "\n", "text/plain");
+  }
+}
+
 const char* page();
 
 int run_serve(const ServeArgs& args) {
@@ -517,22 +532,14 @@ int run_serve(const ServeArgs& args) {
     // Computed on first request, once.
     auto stats = std::make_shared<std::pair<std::mutex, std::string>>();
     server.Get("/api/stats", [at, stats](const httplib::Request& req, httplib::Response& res) {
-      std::lock_guard<std::mutex> lock(stats->first);
-      try {
+      answer(res, [&] {
         if (!at.mix.empty()) {  // up to the page's step: a few draws, not cached
-          res.set_content(mixture_stats_json(at, number_param(req, "step")).dump(),
-                          "application/json");
-          return;
+          return mixture_stats_json(at, number_param(req, "step")).dump();
         }
+        std::lock_guard<std::mutex> lock(stats->first);
         if (stats->second.empty()) stats->second = stats_json(at).dump();
-        res.set_content(stats->second, "application/json");
-      } catch (const InvalidArgument& e) {
-        res.status = 400;
-        res.set_content(std::string(e.what()) + "\n", "text/plain");
-      } catch (const Error& e) {
-        res.status = 500;
-        res.set_content(std::string(e.what()) + "\n", "text/plain");
-      }
+        return stats->second;
+      });
     });
     // The diff view: both sides opened (and checked to be comparable) before the server
     // starts, the comparison computed on first request, once.
@@ -549,8 +556,7 @@ int run_serve(const ServeArgs& args) {
       };
       LOOM_CHECK(a.kind == b.kind, InvalidArgument, "--against ", args.against, ": it is ", kind(a),
                  " and ", at.dir, " ", kind(b),
-                 "; only two versions of one kind of "
-                 "dataset can be compared");
+                 "; only two versions of one kind of dataset can be compared");
     }
     auto diff = std::make_shared<std::pair<std::mutex, std::string>>();
     server.Get("/api/diff", [sides, diff](const httplib::Request&, httplib::Response& res) {
@@ -559,30 +565,20 @@ int run_serve(const ServeArgs& args) {
         res.set_content("no diff: start the server with --against OTHER_VERSION\n", "text/plain");
         return;
       }
-      std::lock_guard<std::mutex> lock(diff->first);
-      try {
+      answer(res, [&] {
+        std::lock_guard<std::mutex> lock(diff->first);
         if (diff->second.empty()) diff->second = diff_json(sides->first, sides->second).dump();
-        res.set_content(diff->second, "application/json");
-      } catch (const Error& e) {
-        res.status = 500;
-        res.set_content(std::string(e.what()) + "\n", "text/plain");
-      }
+        return diff->second;
+      });
     });
     server.Get("/api/batch", [at, vocab](const httplib::Request& req, httplib::Response& res) {
-      try {
+      answer(res, [&] {
         const uint64_t rank = number_param(req, "rank");
         const uint64_t step = number_param(req, "step");
         LOOM_CHECK(rank < static_cast<uint64_t>(at.world), InvalidArgument, "rank ", rank,
                    " is not a rank of a world of ", at.world);
-        res.set_content(batch_json(at, static_cast<int>(rank), step, vocab.get()).dump(),
-                        "application/json");
-      } catch (const InvalidArgument& e) {
-        res.status = 400;
-        res.set_content(std::string(e.what()) + "\n", "text/plain");
-      } catch (const Error& e) {
-        res.status = 500;
-        res.set_content(std::string(e.what()) + "\n", "text/plain");
-      }
+        return batch_json(at, static_cast<int>(rank), step, vocab.get()).dump();
+      });
     });
     serve_until_stopped(server, args.address, args.public_address, "the data viewer",
                         "samples of " + at.dir);
