@@ -68,6 +68,44 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
+DataServer::DataServer(const TempDir& dir, std::vector<std::string> args,
+                       std::map<std::string, std::string> env, const std::string& host)
+    : port_(free_port()) {
+  args.insert(args.begin(), {LOOM_BINARY_DIR "/tools/loom/loom", "data", "serve"});
+  args.push_back("--address");
+  args.push_back(host + ":" + std::to_string(port_));
+  log_ = dir / ("serve_" + std::to_string(port_) + ".out");
+  process_ = std::make_unique<util::Subprocess>(
+      util::Subprocess::spawn({.argv = args, .env = std::move(env), .output = log_}));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!get("/api/dataset")) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ADD_FAILURE() << "loom data serve did not start:\n" << util::read_file(log_);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+DataServer::~DataServer() {
+  process_->signal(SIGTERM);
+  process_->wait();
+}
+
+std::string DataServer::url(const std::string& path) const {
+  return "http://127.0.0.1:" + std::to_string(port_) + path;
+}
+
+std::optional<DataServer::Answer> DataServer::get(
+    const std::string& path,
+    const std::vector<std::pair<std::string, std::string>>& headers) const {
+  httplib::Client client("127.0.0.1", port_);
+  client.set_connection_timeout(std::chrono::seconds(2));
+  const httplib::Result res = client.Get(path, httplib::Headers(headers.begin(), headers.end()));
+  if (!res) return std::nullopt;
+  return Answer{res->status, res->body};
+}
+
 // ---- Prometheus ----
 
 Prometheus::Prometheus(std::vector<std::string> targets) : port_(free_port()) {

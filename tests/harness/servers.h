@@ -1,13 +1,16 @@
 // Real servers on loopback for the remote-dataset tests: Debian's nginx (static files with
 // range requests, optionally throttled, killable mid-download), s3rver (an S3-compatible
-// server from npm, tools/s3rver/) and an in-process HTTP server that fails on purpose.
+// server from npm, tools/s3rver/) and an in-process HTTP server that fails on purpose; Debian's
+// Prometheus, headless Chromium, and `loom data serve` for the tests of web pages.
 #pragma once
 
 #include <atomic>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -84,6 +87,32 @@ class Prometheus {
  private:
   TempDir dir_{"loom-prometheus"};
   int port_;
+  std::unique_ptr<util::Subprocess> process_;
+};
+
+// `loom data serve ARGS...` (the build's tools/loom/loom) on a free loopback port, its output
+// in `dir`. The constructor waits until /api/dataset answers (30 s; a test failure with the
+// output otherwise); the destructor stops it with SIGTERM.
+class DataServer {
+ public:
+  struct Answer {
+    int status = 0;
+    std::string body;
+  };
+  DataServer(const TempDir& dir, std::vector<std::string> args,
+             std::map<std::string, std::string> env = {}, const std::string& host = "127.0.0.1");
+  ~DataServer();
+  DataServer(const DataServer&) = delete;
+  DataServer& operator=(const DataServer&) = delete;
+  std::string url(const std::string& path) const;
+  // A GET of `path` on loopback with `headers`; nullopt when nothing answered.
+  std::optional<Answer> get(
+      const std::string& path,
+      const std::vector<std::pair<std::string, std::string>>& headers = {}) const;
+
+ private:
+  int port_;
+  std::filesystem::path log_;
   std::unique_ptr<util::Subprocess> process_;
 };
 

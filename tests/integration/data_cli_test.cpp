@@ -3,11 +3,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include <httplib.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <csignal>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -842,29 +840,15 @@ TEST(DataCli, ShowAndServeARunDirectoryFromItsNewestCheckpoint) {
                           " opened 1 dataset (0: " + (dir / "data").string() + ")\n");
 
   // The browser view's dataset summary says the same.
-  const int port = testing::free_port();
-  auto served =
-      util::Subprocess::spawn({.argv = {LOOM_BINARY_DIR "/tools/loom/loom", "data", "serve", run,
-                                        "--address", "127.0.0.1:" + std::to_string(port)},
-                               .output = dir / "serve.out"});
-  httplib::Client client("127.0.0.1", port);
-  std::string body;
-  for (int i = 0; i < 300 && body.empty(); ++i) {
-    if (httplib::Result res = client.Get("/api/dataset")) {
-      body = res->body;
-    } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
-  ASSERT_FALSE(body.empty()) << util::read_file(dir / "serve.out");
-  const nlohmann::json info = nlohmann::json::parse(body);
+  const testing::DataServer served(dir, {run});
+  const auto answer = served.get("/api/dataset");
+  ASSERT_TRUE(answer);
+  const nlohmann::json info = nlohmann::json::parse(answer->body);
   EXPECT_EQ(info["run"], run);
   EXPECT_EQ(info["resume_step"], 10);
   EXPECT_EQ(info["world"], 2);
   EXPECT_EQ(info["batch"], 3);
   EXPECT_EQ(info["seq_len"], 8);
-  served.signal(SIGTERM);
-  served.wait();
 }
 
 // A run that reads a mixture (Runtime::open_mixture) is shown from its run directory as well:
@@ -923,59 +907,48 @@ TEST(DataCli, ShowAndServeARunsMixtureWithItsRealisedWeights) {
   EXPECT_EQ(shown, want) << r.output;
 
   // The browser view: the batch's sources, and the realised weights up to step 5 (6 steps).
-  const int port = testing::free_port();
-  auto served = util::Subprocess::spawn(
-      {.argv = {LOOM_BINARY_DIR "/tools/loom/loom", "data", "serve", run.string(), "--address",
-                "127.0.0.1:" + std::to_string(port)},
-       .output = dir / "serve.out"});
-  httplib::Client client("127.0.0.1", port);
-  std::string body;
-  for (int i = 0; i < 300 && body.empty(); ++i) {
-    if (httplib::Result got = client.Get("/api/batch?rank=0&step=3")) {
-      body = got->body;
-    } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  {
+    const testing::DataServer served(dir, {run.string()});
+    const auto answer = served.get("/api/batch?rank=0&step=3");
+    ASSERT_TRUE(answer);
+    const nlohmann::json b = nlohmann::json::parse(answer->body);
+    for (size_t k = 0; k < 3; ++k) {
+      EXPECT_EQ(b["samples"][k]["source"], batch.sources[k]) << k;
+      EXPECT_EQ(b["samples"][k]["source_name"], datasets[batch.sources[k]].string()) << k;
+      EXPECT_EQ(b["samples"][k]["index"], batch.indices[k]) << k;
     }
-  }
-  ASSERT_FALSE(body.empty()) << util::read_file(dir / "serve.out");
-  const nlohmann::json b = nlohmann::json::parse(body);
-  for (size_t k = 0; k < 3; ++k) {
-    EXPECT_EQ(b["samples"][k]["source"], batch.sources[k]) << k;
-    EXPECT_EQ(b["samples"][k]["source_name"], datasets[batch.sources[k]].string()) << k;
-    EXPECT_EQ(b["samples"][k]["index"], batch.indices[k]) << k;
-  }
-  const httplib::Result res = client.Get("/api/stats?step=5");
-  ASSERT_TRUE(res);
-  Mixture six(sources, options);
-  for (int s = 0; s < 6; ++s) six.next();
-  const MixtureState state = six.state();
-  nlohmann::json weights = nlohmann::json::array();
-  for (size_t k = 0; k < 2; ++k) {
-    weights.push_back({{"dataset", datasets[k].string()},
-                       {"weight", sources[k].weight},
-                       {"one_epoch", k == 0},
-                       {"share", sources[k].weight / 4.0},
-                       {"drawn", state.sources[k].drawn},
-                       {"realised", static_cast<double>(state.sources[k].drawn) / 18.0}});
-  }
-  EXPECT_EQ(nlohmann::json::parse(res->body),
-            (nlohmann::json{{"steps", 6}, {"samples", 18}, {"mixture", weights}}));
-  if (testing::Browser::available()) {
-    testing::Browser browser;
-    browser.open("http://127.0.0.1:" + std::to_string(port) + "/?view=stats&step=5");
-    ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
-    browser.screenshot(fs::path(LOOM_BINARY_DIR "/test-artifacts/data_serve") /
-                       "mixture_stats.png");
-    const nlohmann::json rows = nlohmann::json::parse(browser.run(R"JS(
+    const auto res = served.get("/api/stats?step=5");
+    ASSERT_TRUE(res);
+    Mixture six(sources, options);
+    for (int s = 0; s < 6; ++s) six.next();
+    const MixtureState state = six.state();
+    nlohmann::json weights = nlohmann::json::array();
+    for (size_t k = 0; k < 2; ++k) {
+      weights.push_back({{"dataset", datasets[k].string()},
+                         {"weight", sources[k].weight},
+                         {"one_epoch", k == 0},
+                         {"share", sources[k].weight / 4.0},
+                         {"drawn", state.sources[k].drawn},
+                         {"realised", static_cast<double>(state.sources[k].drawn) / 18.0}});
+    }
+    EXPECT_EQ(nlohmann::json::parse(res->body),
+              (nlohmann::json{{"steps", 6}, {"samples", 18}, {"mixture", weights}}));
+    if (testing::Browser::available()) {
+      testing::Browser browser;
+      browser.open(served.url("/?view=stats&step=5"));
+      ASSERT_TRUE(
+          browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
+      browser.screenshot(fs::path(LOOM_BINARY_DIR "/test-artifacts/data_serve") /
+                         "mixture_stats.png");
+      const nlohmann::json rows = nlohmann::json::parse(browser.run(R"JS(
       return [...document.querySelectorAll('.stat[data-field=mixture] .row')].map(
           r => [r.dataset.key, Number(r.dataset.count)]);)JS"));
-    EXPECT_EQ(rows, nlohmann::json::parse("[[\"" + datasets[0].string() + "\", " +
-                                          std::to_string(state.sources[0].drawn) + "], [\"" +
-                                          datasets[1].string() + "\", " +
-                                          std::to_string(state.sources[1].drawn) + "]]"));
+      EXPECT_EQ(rows, nlohmann::json::parse("[[\"" + datasets[0].string() + "\", " +
+                                            std::to_string(state.sources[0].drawn) + "], [\"" +
+                                            datasets[1].string() + "\", " +
+                                            std::to_string(state.sources[1].drawn) + "]]"));
+    }
   }
-  served.signal(SIGTERM);
-  served.wait();
 
   // A source rebuilt since the run: its samples are not the run's any more, and both viewers
   // say so, naming the two versions.

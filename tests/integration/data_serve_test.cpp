@@ -5,24 +5,19 @@
 // build/test-artifacts/data_serve/.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <httplib.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
-#include <thread>
 
 #include "data/image_codec.h"
 #include "harness/harness.h"
 #include "harness/servers.h"
 #include "loom/data/dataset.h"
 #include "loom/data/reader.h"
-#include "util/files.h"
-#include "util/subprocess.h"
 
 namespace loom::data {
 namespace {
@@ -43,46 +38,6 @@ Batch batch_at(const fs::path& ds, ReaderOptions options, uint64_t step) {
   reader.restore({reader.manifest().version, options.seed, step / steps, step % steps * global});
   return reader.next();
 }
-
-// `loom data serve` on a free loopback port, stopped (SIGTERM) at the end.
-class Served {
- public:
-  Served(const TempDir& dir, std::vector<std::string> args,
-         std::map<std::string, std::string> env = {}, const std::string& host = "127.0.0.1")
-      : port_(testing::free_port()) {
-    args.insert(args.begin(), {kLoom, "data", "serve"});
-    args.push_back("--address");
-    args.push_back(host + ":" + std::to_string(port_));
-    log_ = dir / ("serve_" + std::to_string(port_) + ".out");
-    process_ = std::make_unique<util::Subprocess>(
-        util::Subprocess::spawn({.argv = args, .env = env, .output = log_}));
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (!get("/api/dataset")) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        ADD_FAILURE() << "loom data serve did not start:\n" << util::read_file(log_);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
-  ~Served() {
-    process_->signal(SIGTERM);
-    process_->wait();
-  }
-  std::string url(const std::string& path) const {
-    return "http://127.0.0.1:" + std::to_string(port_) + path;
-  }
-  httplib::Result get(const std::string& path, const httplib::Headers& headers = {}) const {
-    httplib::Client client("127.0.0.1", port_);
-    client.set_connection_timeout(std::chrono::seconds(2));
-    return client.Get(path, headers);
-  }
-
- private:
-  int port_;
-  fs::path log_;
-  std::unique_ptr<util::Subprocess> process_;
-};
 
 // What the page shows, from its DOM: per sample its dataset index, token ids, and each
 // field's text, with images as their pixels read back from the canvas.
@@ -130,8 +85,8 @@ TEST(DataServe, TheBrowserShowsExactlyTheTokensEachRankReadsAtAStep) {
     }
     writer.finish();
   }
-  Served served(dir,
-                {ds.string(), "--world", "2", "--batch", "3", "--seq-len", "7", "--seed", "5"});
+  testing::DataServer served(
+      dir, {ds.string(), "--world", "2", "--batch", "3", "--seq-len", "7", "--seed", "5"});
   testing::Browser browser;
   browser.open(served.url("/?rank=1&step=4"));
   const ReaderOptions options{
@@ -219,7 +174,7 @@ TEST(DataServe, TheBrowserShowsRecordsImagesLabelsAndText) {
     }
     writer.finish();
   }
-  Served served(dir, {ds.string(), "--batch", "4", "--seed", "9"});
+  testing::DataServer served(dir, {ds.string(), "--batch", "4", "--seed", "9"});
   testing::Browser browser;
   browser.open(served.url("/?rank=0&step=2"));
   ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
@@ -345,7 +300,7 @@ TEST(DataServe, TheBrowserShowsEpisodePlotsAndSequencesWithImagesInPlace) {
     writer.finish();
   }
   {
-    Served served(dir, {episodes.string(), "--batch", "3", "--seed", "2"});
+    testing::DataServer served(dir, {episodes.string(), "--batch", "3", "--seed", "2"});
     testing::Browser browser;
     browser.open(served.url("/?rank=0&step=1"));
     ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
@@ -365,7 +320,8 @@ TEST(DataServe, TheBrowserShowsEpisodePlotsAndSequencesWithImagesInPlace) {
     }
   }
   {  // Transitions: where each comes from, and its return.
-    Served served(dir, {episodes.string(), "--batch", "4", "--sampling", "transition"});
+    testing::DataServer served(dir,
+                               {episodes.string(), "--batch", "4", "--sampling", "transition"});
     testing::Browser browser;
     browser.open(served.url("/?rank=0&step=3"));
     ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
@@ -425,7 +381,7 @@ TEST(DataServe, TheBrowserShowsEpisodePlotsAndSequencesWithImagesInPlace) {
     }
     writer.finish();
   }
-  Served served(dir, {mm.string(), "--batch", "4", "--seed", "1"});
+  testing::DataServer served(dir, {mm.string(), "--batch", "4", "--seed", "1"});
   testing::Browser browser;
   browser.open(served.url("/?rank=0&step=1"));
   ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
@@ -506,7 +462,7 @@ TEST(DataServe, TheDiffViewShowsTheRecordsRemovedAndAddedBetweenVersions) {
   write(dir / "v1", v1);
   write(dir / "v2", v2);
 
-  Served served(dir, {(dir / "v2").string(), "--against", (dir / "v1").string()});
+  testing::DataServer served(dir, {(dir / "v2").string(), "--against", (dir / "v1").string()});
   testing::Browser browser;
   browser.open(served.url("/?view=diff"));
   ASSERT_TRUE(browser.wait_for("document.body.dataset.ready === '1'", std::chrono::seconds(20)));
@@ -560,7 +516,8 @@ TEST(DataServe, TheDiffViewShowsTheRecordsRemovedAndAddedBetweenVersions) {
   docs2.erase(docs2.begin() + 4);
   docs2.push_back({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12});
   write_tokens(dir / "t2", 1u << 20, docs2);
-  Served tokens(dir, {(dir / "t2").string(), "--against", (dir / "t1").string(), "--seq-len", "7"});
+  testing::DataServer tokens(
+      dir, {(dir / "t2").string(), "--against", (dir / "t1").string(), "--seq-len", "7"});
   const auto res = tokens.get("/api/diff");
   ASSERT_TRUE(res);
   ASSERT_EQ(res->status, 200) << res->body;
@@ -595,7 +552,7 @@ TEST(DataServe, TheDiffViewShowsTheRecordsRemovedAndAddedBetweenVersions) {
       writer.add(Record().integer(label).text(caption).real(0.5));
     writer.finish();
   }
-  Served scored(dir, {(dir / "v3").string(), "--against", (dir / "v1").string()});
+  testing::DataServer scored(dir, {(dir / "v3").string(), "--against", (dir / "v1").string()});
   const auto scored_res = scored.get("/api/diff");
   ASSERT_TRUE(scored_res);
   const json scored_diff = json::parse(scored_res->body);
@@ -632,7 +589,8 @@ TEST(DataServe, BeyondLoopbackItNeedsPublicAndEveryRequestTheToken) {
   EXPECT_TRUE(testing::contains(
       refused.output, "beyond loopback: that needs --public and a token in LOOM_JOB_TOKEN"))
       << refused.output;
-  Served served(dir, {ds.string(), "--public"}, {{"LOOM_JOB_TOKEN", "s3cret"}}, "0.0.0.0");
+  testing::DataServer served(dir, {ds.string(), "--public"}, {{"LOOM_JOB_TOKEN", "s3cret"}},
+                             "0.0.0.0");
   const auto missing = served.get("/api/dataset");
   ASSERT_TRUE(missing);
   EXPECT_EQ(missing->status, 401);

@@ -527,12 +527,13 @@ std::optional<uint64_t> from_run(DataPosition& p) {
   for (const data::RunReader::Source& source : r.mixture)
     read.emplace_back(source.dir, source.version);
   if (read.empty()) read.emplace_back(r.dir, r.version);
+  data::Manifest m;  // p.dir's: the dataset's, or the mixture's first source's
   for (const auto& [dir, version] : read) {
-    const std::string now = data::read_manifest(dir, data::RemoteOptions{}).version;
-    LOOM_CHECK(now == version, InvalidArgument, dir, " is now version ", now,
+    data::Manifest now = data::read_manifest(dir, data::RemoteOptions{});
+    LOOM_CHECK(now.version == version, InvalidArgument, dir, " is now version ", now.version,
                " but the run read version ", version, "; the run's samples are not there any more");
+    if (dir == p.dir) m = std::move(now);
   }
-  const data::Manifest m = data::read_manifest(p.dir, data::RemoteOptions{});
   p.sampling =
       m.kind == data::DatasetKind::kTokens
           ? (o.sampling == data::TokenSampling::kDocument ? "document" : "packed")

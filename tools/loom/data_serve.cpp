@@ -228,20 +228,20 @@ std::string describe(const data::Field& f) {
 json diff_json(const DiffSide& old_side, const DiffSide& new_side) {
   const data::Reader& a = *old_side.reader;
   const data::Reader& b = *new_side.reader;
-  // The entries of each side by hash, and which of them the other side lacks.
+  // The entries of each side, counted by hash, and which of them the other side lacks.
   std::map<uint64_t, int64_t> balance;  // per hash: entries in b minus entries in a
-  std::vector<uint64_t> hash_a(a.num_entries()), hash_b(b.num_entries());
-  for (uint64_t i = 0; i < hash_a.size(); ++i) --balance[hash_a[i] = a.entry(i).hash];
-  for (uint64_t i = 0; i < hash_b.size(); ++i) ++balance[hash_b[i] = b.entry(i).hash];
+  std::vector<data::Reader::Entry> in_a(a.num_entries()), in_b(b.num_entries());
+  for (uint64_t i = 0; i < in_a.size(); ++i) --balance[(in_a[i] = a.entry(i)).hash];
+  for (uint64_t i = 0; i < in_b.size(); ++i) ++balance[(in_b[i] = b.entry(i)).hash];
   // Walking from the end, the last surplus entries of each side are the ones not in the other.
-  auto surplus = [&](const std::vector<uint64_t>& hashes, int64_t sign) {
+  auto surplus = [&](const std::vector<data::Reader::Entry>& entries, int64_t sign) {
     std::map<uint64_t, int64_t> left;
     for (const auto& [h, n] : balance) {
       if (n * sign > 0) left[h] = n * sign;
     }
     std::vector<uint64_t> out;
-    for (uint64_t i = hashes.size(); i-- > 0;) {
-      const auto it = left.find(hashes[i]);
+    for (uint64_t i = entries.size(); i-- > 0;) {
+      const auto it = left.find(entries[i].hash);
       if (it != left.end() && it->second > 0) {
         --it->second;
         out.push_back(i);
@@ -250,16 +250,14 @@ json diff_json(const DiffSide& old_side, const DiffSide& new_side) {
     std::reverse(out.begin(), out.end());
     return out;
   };
-  const std::vector<uint64_t> removed = surplus(hash_a, -1), added = surplus(hash_b, 1);
-  auto shown = [](const DiffSide& side, const std::vector<uint64_t>& entries) {
+  const std::vector<uint64_t> removed = surplus(in_a, -1), added = surplus(in_b, 1);
+  auto shown = [](const DiffSide& side, const std::vector<data::Reader::Entry>& entries,
+                  const std::vector<uint64_t>& which) {
     const std::vector<uint64_t> first(
-        entries.begin(),
-        entries.begin() + static_cast<int64_t>(std::min(entries.size(), kDiffShown)));
+        which.begin(), which.begin() + static_cast<int64_t>(std::min(which.size(), kDiffShown)));
     json samples =
         samples_json(side.reader->manifest(), side.reader->read(first), side.vocab.get());
-    for (size_t k = 0; k < first.size(); ++k) {
-      samples[k]["size"] = side.reader->entry(first[k]).size;
-    }
+    for (size_t k = 0; k < first.size(); ++k) samples[k]["size"] = entries[first[k]].size;
     return samples;
   };
   auto side_json = [](const DiffSide& side) {
@@ -282,11 +280,11 @@ json diff_json(const DiffSide& old_side, const DiffSide& new_side) {
           {"new", side_json(new_side)},
           {"unit", a.manifest().kind == data::DatasetKind::kTokens ? "documents" : "records"},
           {"schema", std::move(schema)},
-          {"same", hash_a.size() - removed.size()},
+          {"same", in_a.size() - removed.size()},
           {"removed", removed.size()},
           {"added", added.size()},
-          {"removed_samples", shown(old_side, removed)},
-          {"added_samples", shown(new_side, added)}};
+          {"removed_samples", shown(old_side, in_a, removed)},
+          {"added_samples", shown(new_side, in_b, added)}};
 }
 
 json dataset_json(const DataPosition& at, std::optional<uint64_t> resume) {
@@ -923,8 +921,7 @@ async function start() {
           ? `mixture of ${info.mixture.map(m => `${m.dataset} (weight ${m.weight})`).join(", ")}` +
             ` · ${info.kind}`
           : `${info.dataset} · ${info.kind} · ${info.samples} samples · version ${info.version}`) +
-                             (info.resume_step !== null ? ` · resumes at step ${info.resume_step}`
-                                                        : "");
+      (info.resume_step !== null ? ` · resumes at step ${info.resume_step}` : "");
   for (let r = 0; r < info.world; ++r) $("rank").append(el("option", {value: r}, String(r)));
   const q = new URLSearchParams(location.search);
   $("rank").value = q.get("rank") || "0";
