@@ -31,6 +31,8 @@ struct Settings {
   int warmup = 1;
   int threads = 1;  // intra-op threads per rank (2 cores, 2 ranks: 1)
   double bucket_mib = 25;
+  double zero2_bucket_mib = 1;  // --mode=sharding: ZeRO-2's buckets (its staging is what it
+                                // holds beyond 1/W of the gradients)
   bool json = false;
   std::string python =
       "/usr/bin/python3";  // --mode=trainer: the Python with torch for the DDP peer

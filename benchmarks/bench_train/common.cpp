@@ -73,7 +73,8 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& self,
                                    "--steps=" + std::to_string(s.steps),
                                    "--warmup=" + std::to_string(s.warmup),
                                    "--threads=" + std::to_string(s.threads),
-                                   "--bucket-mib=" + std::to_string(s.bucket_mib)};
+                                   "--bucket-mib=" + std::to_string(s.bucket_mib),
+                                   "--zero2-bucket-mib=" + std::to_string(s.zero2_bucket_mib)};
   // An empty "--dataset=" would make CLI11 take the next argument as its value.
   if (!s.dataset.empty()) argv.push_back("--dataset=" + s.dataset);
   if (!s.baton.empty()) argv.push_back("--baton=" + s.baton);

@@ -66,7 +66,8 @@ ShardedModel make_sharded(const Settings& s, const ShardingCase& c, loom::comm::
         std::make_unique<loom::parallel::FullyShardedDataParallel>(m.model, group, options);
   } else {
     loom::parallel::DataParallelOptions options;
-    options.bucket_bytes = static_cast<size_t>(s.bucket_mib * (1 << 20));
+    options.bucket_bytes = static_cast<size_t>(
+        (c.mode == Mode::kZero2 ? s.zero2_bucket_mib : s.bucket_mib) * (1 << 20));
     options.zero_stage = c.mode == Mode::kDdp     ? loom::parallel::ZeroStage::kNone
                          : c.mode == Mode::kZero1 ? loom::parallel::ZeroStage::kOne
                                                   : loom::parallel::ZeroStage::kTwo;
@@ -166,12 +167,13 @@ void run_sharding_worker(const Settings& s) {
   if (!s.json) {
     std::printf(
         "bench_train --mode=sharding: %.1fM-parameter GPT (examples/gpt; %lld layers, dim %lld, "
-        "vocab %lld), %lld x %lld tokens per rank, %d ranks, %d thread(s) each; step: median "
+        "vocab %lld), %lld x %lld tokens per rank, %d ranks, %d thread(s) each; buckets: "
+        "%g MiB (ddp, zero1), %g MiB (zero2); step: median "
         "of %d interleaved rounds after %d warm-up (cold = the first); bytes: rank 0's peak by "
         "category over two steps after construction (peak_bytes_building: over building and "
         "wrapping the model), from its allocations\n",
         params / 1e6, (long long)s.layers, (long long)s.dim, (long long)s.vocab, (long long)s.batch,
-        (long long)s.seq, s.ranks, s.threads, s.steps, s.warmup);
+        (long long)s.seq, s.ranks, s.threads, s.bucket_mib, s.zero2_bucket_mib, s.steps, s.warmup);
     std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
                 "unit", "ratio");
   }

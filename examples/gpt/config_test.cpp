@@ -79,10 +79,13 @@ TEST(GptConfigs, ParallelModeChoosesTheStrategyAndBadModesNameTheKey) {
   EXPECT_TRUE(fsdp_default.reshard_after_forward);
   EXPECT_FALSE(fsdp_default.reduce_dtype.has_value());
   EXPECT_FALSE(fsdp_default.param_dtype.has_value());
+  EXPECT_FALSE(fsdp_default.offload_optimizer_state);
   const FsdpOptions fsdp =
       FsdpOptions::from(load({"--parallel.mode=fsdp", "--parallel.reshard_after_forward=false",
-                              "--parallel.reduce_dtype=fp32", "--parallel.param_dtype=bf16"}));
+                              "--parallel.reduce_dtype=fp32", "--parallel.param_dtype=bf16",
+                              "--parallel.offload_optimizer_state=true"}));
   EXPECT_FALSE(fsdp.reshard_after_forward);
+  EXPECT_TRUE(fsdp.offload_optimizer_state);
   EXPECT_EQ(fsdp.reduce_dtype, c10::kFloat);
   EXPECT_EQ(fsdp.param_dtype, c10::kBFloat16);
   struct Bad {

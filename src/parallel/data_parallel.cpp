@@ -412,7 +412,7 @@ struct DataParallel::Impl {
     torch::NoGradGuard no_grad;
     Bucket& bucket = buckets[p.bucket];
     if (!bucket.grad.defined()) {  // zeros: padding, and parameters that got no gradient
-      limit_staging();
+      limit_staging(p.bucket);
       MemoryCategoryScope gradients(MemoryCategory::kGradients);
       bucket.grad = at::zeros({bucket.padded}, on_device(bucket.dtype));
       count_gradient_bytes(bucket.grad, +1);
@@ -434,12 +434,22 @@ struct DataParallel::Impl {
     }
   }
 
-  // Before a new staging buffer: while max_staging_buckets are alive, waits for the oldest
-  // launched one's reduce-scatter and frees it. Buckets that are still filling are never waited
-  // for (they cannot launch before this gradient is staged), so the limit may be passed by them.
-  void limit_staging() {
+  int64_t staging_bytes(const Bucket& bucket) const {
+    return bucket.padded * static_cast<int64_t>(c10::elementSize(bucket.dtype));
+  }
+
+  // Before bucket `next`'s staging buffer: while max_staging_buckets are alive, waits for the
+  // oldest launched one's reduce-scatter and frees it. A bucket is closed once it holds
+  // bucket_bytes, so it is under twice that unless it holds a parameter larger than a bucket
+  // (an embedding); such a bucket is staged alone, after every launched one has completed. The
+  // staging then never holds more than max(max_staging_buckets x 2 x bucket_bytes, the largest
+  // bucket). Buckets that are still filling are never waited for (they cannot launch before
+  // this gradient is staged), so the limit may be passed by them.
+  void limit_staging(int next) {
     if (options.max_staging_buckets <= 0) return;
     release_reduced_staging();
+    const bool alone =
+        staging_bytes(buckets[next]) > 2 * static_cast<int64_t>(options.bucket_bytes);
     for (;;) {
       int alive = 0;
       int oldest_launched = -1;
@@ -448,7 +458,8 @@ struct DataParallel::Impl {
         ++alive;
         if (b < next_bucket && oldest_launched < 0) oldest_launched = b;
       }
-      if (alive < options.max_staging_buckets || oldest_launched < 0) return;
+      const bool fits = alone ? alive == 0 : alive < options.max_staging_buckets;
+      if (fits || oldest_launched < 0) return;
       wait_for_bucket(oldest_launched, Clock::now() + options.timeout);
       release_reduced_staging();
     }

@@ -110,6 +110,9 @@ ConfigSchema FsdpOptions::schema() {
   s.add("parallel.param_dtype", "",
         "fsdp: dtype forward and backward compute in: empty (the parameters') or bf16 (bf16 "
         "copies of fp32 shards, which stay the masters)");
+  s.add("parallel.offload_optimizer_state", false,
+        "fsdp: keep the optimizer state and fp32 master shards in host memory and run the "
+        "update there");
   return s;
 }
 
@@ -130,6 +133,7 @@ FsdpOptions FsdpOptions::from(const Config& config) {
     LOOM_CHECK(compute.empty(), ConfigError, "parallel.param_dtype is '", compute,
                "'; use bf16, or leave it empty to compute in the parameters' dtype");
   }
+  o.offload_optimizer_state = config.get<bool>("parallel.offload_optimizer_state");
   return o;
 }
 
@@ -209,10 +213,13 @@ struct Unit {
   int64_t padded = 0;                         // numel rounded up to a multiple of the world size
   int64_t shard_begin = 0;
   int64_t shard_end = 0;
-  at::Tensor shard;               // this rank's slice of the parameters (parameter dtype)
-  at::Tensor master;              // fp32 copy of the shard (non-fp32 with master weights)
-  std::vector<at::Tensor> state;  // optimizer state for the shard, fp32
-  at::Tensor grad_shard;          // the reduced gradient of the shard (grad_dtype)
+  at::Tensor shard;  // this rank's slice of the parameters (parameter dtype)
+  // fp32 copy of the shard: non-fp32 parameters with master weights (saved in checkpoints), and
+  // every unit under offload_optimizer_state (in host memory; an fp32 one is not saved).
+  at::Tensor master;
+  bool master_saved = false;
+  std::vector<at::Tensor> state;             // optimizer state for the shard, fp32
+  at::Tensor grad_shard;                     // the reduced gradient of the shard (grad_dtype)
   at::ScalarType reduce_dtype = at::kFloat;  // of the reduce-scatter: reduce_dtype, or compute
   at::ScalarType grad_dtype = at::kFloat;    // of grad_shard: fp32 when mixed, else reduce_dtype
   bool grad_shard_set = false;               // false: zero since zero_grad
@@ -288,6 +295,12 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
 
   at::TensorOptions on_device(at::ScalarType dtype) const {
     return at::TensorOptions().dtype(dtype).device(device);
+  }
+  // Where the optimizer state and fp32 masters live: the device, or pinned host memory under
+  // offload_optimizer_state (plain host memory when the parameters are on the CPU already).
+  at::TensorOptions optimizer_options() const {
+    if (!options.offload_optimizer_state) return on_device(at::kFloat);
+    return at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(device.is_cuda());
   }
   std::string describe_unit(int u) const {
     const Unit& unit = units[u];
@@ -498,9 +511,11 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       unit.shard = flat.narrow(0, unit.shard_begin, unit.shard_size()).clone();
       unit.full = unit.compute_dtype == unit.dtype ? flat : flat.to(unit.compute_dtype);
       flat = at::Tensor();
-      if (unit.dtype != at::kFloat && options.master_weights) {
+      unit.master_saved = unit.dtype != at::kFloat && options.master_weights;
+      if (unit.master_saved || options.offload_optimizer_state) {
         MemoryCategoryScope state(MemoryCategory::kOptimizerState);
-        unit.master = unit.shard.to(at::kFloat);
+        unit.master = at::empty({unit.shard_size()}, optimizer_options());
+        unit.master.copy_(unit.shard);
       }
       {
         MemoryCategoryScope gradients(MemoryCategory::kGradients);
@@ -698,12 +713,15 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
   void on_gradient_accumulated(int index) {
     Param& p = params[index];
     Unit& unit = units[p.unit];
-    const at::Tensor grad = p.tensor.grad();  // before begin_backward installs the views
-    begin_backward(unit);  // the root unit has no pre-backward: its first gradient begins it
+    if (unit.root()) {
+      on_root_gradient(p, p.unit);
+      return;
+    }
+    const at::Tensor grad = p.tensor.grad();
+    begin_backward(unit);
     const at::Tensor view = grad_view(unit, p);
     if (!grad.defined() || grad.data_ptr() != view.data_ptr()) {
-      // .grad() was not our view (the root's first gradient, or a user replaced it): move the
-      // gradient into the flat buffer.
+      // .grad() was not our view (a user replaced it): move the gradient into the flat buffer.
       torch::NoGradGuard no_grad;
       if (grad.defined()) {
         view.copy_(grad);
@@ -717,6 +735,47 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
                " got theirs; every parameter of a unit must get a gradient in every backward");
     p.arrived = true;
     if (--unit.pending == 0) end_backward(p.unit);
+  }
+
+  // The root unit has no pre-backward, and its parameters are often used first and last (an
+  // embedding whose weight the head reuses: its gradient is complete only at the very end of
+  // backward). Its gradients therefore stay autograd's own tensors until the last of them has
+  // arrived and only then move into the unit's flat buffer (added, under no_sync), so that the
+  // root's unsharded gradient buffer does not exist while the other units run backward.
+  void on_root_gradient(Param& p, int u) {
+    Unit& unit = units[u];
+    if (!unit.in_backward) {
+      unit.in_backward = true;
+      unit.pending = static_cast<int>(unit.params.size());
+      for (int i : unit.params) params[i].arrived = false;
+    }
+    LOOM_CHECK(!p.arrived, InvalidArgument, "FSDP on rank ", rank, ": parameter '", p.name,
+               "' got a second gradient before the other parameters of ", describe_unit(u),
+               " got theirs; every parameter of a unit must get a gradient in every backward");
+    p.arrived = true;
+    if (--unit.pending > 0) return;
+    torch::NoGradGuard no_grad;
+    const bool fresh = !unit.full_grad.defined();
+    if (fresh) {
+      MemoryCategoryScope gradients(MemoryCategory::kGradients);
+      unit.full_grad = at::empty({unit.padded}, on_device(unit.compute_dtype));
+      unit.full_grad.narrow(0, unit.numel, unit.padded - unit.numel).zero_();
+      gradient_storages.push_back(unit.full_grad.storage().getWeakStorageImpl());
+    }
+    for (int i : unit.params) {
+      const at::Tensor view = grad_view(unit, params[i]);
+      const at::Tensor grad = params[i].tensor.grad();
+      if (!grad.defined()) {
+        if (fresh) view.zero_();
+      } else if (fresh) {
+        view.copy_(grad);
+      } else {
+        view.add_(grad);
+      }
+      params[i].tensor.mutable_grad() = at::Tensor();  // autograd's tensor is released here
+    }
+    note_memory();
+    end_backward(u);
   }
 
   void end_backward(int u) {
@@ -910,6 +969,9 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     for (Unit& unit : units) {
       at::Tensor grad = unit.grad_shard;
       if (grad.scalar_type() != at::kFloat) grad = grad.to(at::kFloat);
+      if (unit.master.defined() && grad.device() != unit.master.device()) {
+        grad = grad.to(unit.master.device());  // offload: the update runs on the host
+      }
       if (unit.master.defined()) {
         update_in_chunks(unit.master, grad, unit.state);
         unit.shard.copy_(unit.master);
@@ -929,7 +991,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     for (Unit& unit : units) {
       unit.state.clear();
       for (size_t i = 0; i < optimizer->state_names().size(); ++i) {
-        unit.state.push_back(at::zeros({unit.shard_size()}, on_device(at::kFloat)));
+        unit.state.push_back(at::zeros({unit.shard_size()}, optimizer_options()));
       }
     }
     note_memory();
@@ -980,8 +1042,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       for (size_t i = 0; i < names.size() && i < unit.state.size(); ++i) {
         piece_of("optim/" + p.name + "/" + names[i], p, unit, lo, hi, unit.state[i]);
       }
-      if (unit.master.defined())
-        piece_of("optim/" + p.name + "/master", p, unit, lo, hi, unit.master);
+      if (unit.master_saved) piece_of("optim/" + p.name + "/master", p, unit, lo, hi, unit.master);
     });
   }
 
@@ -1017,7 +1078,11 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     });
     steps = saved_steps;
     for (Unit& unit : units) {
-      if (unit.master.defined()) unit.shard.copy_(unit.master);
+      if (unit.master_saved) {
+        unit.shard.copy_(unit.master);
+      } else if (unit.master.defined()) {
+        unit.master.copy_(unit.shard);  // an offloaded fp32 master is its shard
+      }
     }
     refresh_after_shards_changed();
   }
@@ -1068,8 +1133,10 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       if (!unit.gather_input.is_same(unit.shard)) m.parameter_bytes += bytes_of(unit.gather_input);
       m.parameter_bytes += static_cast<int64_t>(unit.full.storage().nbytes());
       m.gradient_bytes += bytes_of(unit.grad_shard) + bytes_of(unit.reduce_output);
-      for (const at::Tensor& t : unit.state) m.optimizer_bytes += bytes_of(t);
-      m.optimizer_bytes += bytes_of(unit.master);
+      int64_t& optimizer =
+          options.offload_optimizer_state ? m.offloaded_optimizer_bytes : m.optimizer_bytes;
+      for (const at::Tensor& t : unit.state) optimizer += bytes_of(t);
+      optimizer += bytes_of(unit.master);
     }
     for (const auto& weak : gradient_storages) {
       if (auto storage = weak.lock()) m.gradient_bytes += static_cast<int64_t>(storage->nbytes());
@@ -1085,7 +1152,10 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     if (now.total() > peak.total()) peak = now;
   }
 
-  int64_t optimizer_state_bytes() const { return memory().optimizer_bytes; }
+  int64_t optimizer_state_bytes() const {
+    const FsdpMemory m = memory();
+    return m.optimizer_bytes + m.offloaded_optimizer_bytes;
+  }
 };
 
 // --- FullyShardedDataParallel -------------------------------------------------------------------

@@ -81,8 +81,10 @@ struct LOOM_API DataParallelOptions {
   // overlap hides; never faster).
   bool overlap = true;
   // kTwo: at most this many buckets' full-size staging buffers at once. Backward that needs
-  // another first waits for the oldest reduce-scatter in flight (when one is in flight). 0: no
-  // limit. Gradient bytes per rank are then about padded/W + this many buckets.
+  // another first waits for the oldest reduce-scatter in flight (when one is in flight); a
+  // bucket over twice bucket_bytes (it holds a parameter larger than a bucket, e.g. an
+  // embedding) is staged alone. 0: no limit. Gradient bytes per rank are then about padded/W +
+  // max(this many buckets, the largest bucket).
   int max_staging_buckets = 2;
 
   // The config keys: parallel.bucket_mb (bucket_bytes in MiB), parallel.find_unused_parameters.

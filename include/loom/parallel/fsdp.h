@@ -177,11 +177,20 @@ struct LOOM_API FsdpOptions {
   // unit's unsharded bf16 gradient is converted to fp32 before the reduce-scatter (one rounding
   // less, twice the bytes on the wire).
   std::optional<at::ScalarType> reduce_dtype;
+  // CPU offload of the optimizer (DeepSpeed's offload_optimizer, PyTorch FSDP's CPUOffload for
+  // the optimizer): the optimizer state and an fp32 master copy of every shard live in host
+  // memory (pinned when the parameters are on a GPU); step() copies each reduced gradient shard
+  // to the host, runs the update there and copies the updated shard back. The device then holds
+  // only the parameter and gradient shards between steps. The arithmetic is the same, so the
+  // results are bitwise those without offload; checkpoints have the same names and layout
+  // (an fp32 parameter's host master is not saved: it equals its shard).
+  bool offload_optimizer_state = false;
   // Deadline of every wait: construction's checks, gathers, reduce-scatters, clip, step, load.
   std::chrono::milliseconds timeout = comm::kDefaultCollectiveTimeout;
 
   // The config keys: parallel.reshard_after_forward, parallel.reduce_dtype ("" for the
-  // parameters' dtype, or fp32).
+  // parameters' dtype, or fp32), parallel.param_dtype ("" or bf16),
+  // parallel.offload_optimizer_state.
   static ConfigSchema schema();
   // Reads them; a bad value is ConfigError naming the key.
   static FsdpOptions from(const Config& config);
@@ -191,7 +200,10 @@ struct LOOM_API FsdpOptions {
 struct FsdpMemory {
   int64_t parameter_bytes = 0;  // parameter shards + gathered (unsharded) unit parameters
   int64_t gradient_bytes = 0;   // gradient shards + unsharded gradients being accumulated/reduced
-  int64_t optimizer_bytes = 0;  // optimizer state + fp32 master shards
+  int64_t optimizer_bytes = 0;  // optimizer state + fp32 master shards on the device
+  // Under offload_optimizer_state: the optimizer state and fp32 masters in host memory. Not in
+  // total(), which counts what the parameters' device holds.
+  int64_t offloaded_optimizer_bytes = 0;
   int64_t total() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
 };
 
@@ -280,6 +292,7 @@ class LOOM_API FullyShardedDataParallel final : public Strategy, private detail:
   // fp32 masters. Collective.
   int64_t load_weights(const std::filesystem::path& ckpt_dir, int64_t step) override;
 
+  // Optimizer state and fp32 masters, on the device or offloaded to the host.
   int64_t optimizer_state_bytes() const;
   FsdpMemory memory() const;
   // The largest total() seen since construction or reset_peak_memory, and its breakdown.

@@ -366,6 +366,53 @@ TEST(DataParallel, ZeroTwoHoldsAQuarterOfTheGradientsAtFourRanks) {
   EXPECT_LE(allocated_share, 0.3);
 }
 
+// A parameter larger than a bucket (an input embedding: registered first, so its bucket is the
+// last, and its gradient arrives at the very end of backward) is staged alone: ZeRO-2 waits for
+// the reduce-scatters still in flight first, so the gradient bytes never exceed the shards plus
+// max(max_staging_buckets x bucket_bytes, the largest parameter).
+struct InputHeavyStack : torch::nn::Module {
+  InputHeavyStack() {
+    input = register_module("input", torch::nn::Linear(256, 48));  // 12,336 floats
+    for (int i = 0; i < 16; ++i) {
+      layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(48, 48)));
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = torch::tanh(input(x));
+    for (auto& layer : layers) x = torch::tanh(layer(x));
+    return x;
+  }
+  torch::nn::Linear input{nullptr};
+  std::vector<torch::nn::Linear> layers;
+};
+
+TEST(DataParallel, ZeroTwoStagesAParameterLargerThanABucketAlone) {
+  torch::set_num_threads(1);
+  constexpr int64_t kShardBytes = (16 * 2352 + 12336) / 4 * 4;  // every bucket's 1/4, floats
+  constexpr int64_t kLargestBytes = 12336 * 4;
+  std::vector<int64_t> peaks(4);
+  expect_all_ok(run_threads(4, [&](Rank& r) {
+    auto group = make_group(r);
+    auto model = std::make_shared<InputHeavyStack>();
+    DataParallel dp(model, *group,
+                    {.bucket_bytes = 8 << 10,
+                     .zero_stage = ZeroStage::kTwo,
+                     .timeout = std::chrono::seconds(60)});
+    ASSERT_EQ(dp.bucket_count(), 17);
+    dp.set_optimizer(std::make_unique<optim::AdamW>());
+    for (int step = 0; step < 3; ++step) {
+      dp.zero_grad();
+      model->forward(at::full({4, 256}, 0.1 * (r.rank + 1))).square().mean().backward();
+      dp.finish_gradient_sync();
+      dp.step();
+      peaks[r.rank] = std::max(peaks[r.rank], dp.last_sync_stats().peak_gradient_bytes);
+    }
+  }));
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(peaks[rank], kShardBytes + kLargestBytes) << "rank " << rank;
+  }
+}
+
 // A ZeRO-1 AdamW run at W = 1 saves its state; ranks at W = 2 and 3 load the re-sliced state
 // and continue; they end where the W = 1 run ends when it simply continues.
 class DataParallelState : public ::testing::TestWithParam<std::tuple<int, ZeroStage>> {};

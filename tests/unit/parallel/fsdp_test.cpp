@@ -27,10 +27,12 @@
 namespace loom::parallel {
 namespace {
 
+using loom::parallel::FsdpMemory;
 using loom::testing::expect_all_ok;
 using loom::testing::Rank;
 using loom::testing::run_threads;
 using loom::testing::fsdp::Block;
+using loom::testing::fsdp::BlockImpl;
 using loom::testing::fsdp::expect_match;
 using loom::testing::fsdp::loss_of;
 using loom::testing::fsdp::make_model;
@@ -216,6 +218,55 @@ TEST(Fsdp, HoldsUnderThirtyPercentOfDataParallelsBytesAtFourRanks) {
             << static_cast<double>(fsdp_steady) / static_cast<double>(ddp_bytes) << "x)\n";
   EXPECT_LE(ratio, 0.3);
   EXPECT_GT(ratio, 0.2);  // 1/4 is the floor: not vacuous
+}
+
+// A root unit used first and last (an input projection and a head, as a tied embedding is): its
+// unsharded gradient buffer exists only once its last gradient has arrived, at the end of
+// backward, not from the head's gradient at the start, so it never coexists with the blocks'
+// unsharded gradients. With a root four blocks large, holding it from the start would put the
+// peak at or above shards + root + two blocks.
+struct RootHeavyMlp : torch::nn::Module {
+  RootHeavyMlp() {
+    inp = register_module("inp", torch::nn::Linear(64, 32));
+    blocks = register_module("blocks", torch::nn::Sequential());
+    for (int b = 0; b < 8; ++b) blocks->push_back(Block(32, 32));
+    head = register_module("head", torch::nn::Linear(32, 64));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(blocks->forward(inp(x))); }
+  torch::nn::Linear inp{nullptr}, head{nullptr};
+  torch::nn::Sequential blocks{nullptr};
+};
+
+TEST(Fsdp, TheRootsGradientBufferIsAllocatedOnlyWhenItsLastGradientArrives) {
+  torch::set_num_threads(1);
+  constexpr int64_t kUnitBytes = (32 * 32 + 32) * 4;                 // one block, unsharded
+  constexpr int64_t kRootBytes = (64 * 32 + 32 + 32 * 64 + 64) * 4;  // inp + head
+  std::mutex mutex;
+  std::vector<std::pair<int64_t, int64_t>> shards_and_peak(4);
+  expect_all_ok(run_threads(4, [&](Rank& r) {
+    auto group = make_group(r);
+    torch::manual_seed(7);
+    auto model = std::make_shared<RootHeavyMlp>();
+    ASSERT_EQ(wrap_modules<BlockImpl>(model->blocks), 8);
+    FullyShardedDataParallel fsdp(model, *group);
+    fsdp.set_optimizer(std::make_unique<optim::AdamW>(adamw_options()));
+    const int64_t shards = fsdp.memory().gradient_bytes;  // between steps: the shards only
+    fsdp.reset_peak_memory();
+    const at::Tensor x = at::randn({16, 64}), y = at::randn({16, 64});
+    fsdp.zero_grad();
+    (model->forward(x) - y).square().mean().backward();
+    fsdp.finish_gradient_sync();
+    fsdp.step();
+    std::lock_guard<std::mutex> lock(mutex);
+    shards_and_peak[r.rank] = {shards, fsdp.peak_memory().gradient_bytes};
+  }));
+  for (int rank = 0; rank < 4; ++rank) {
+    const auto [shards, peak] = shards_and_peak[rank];
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    EXPECT_LT(peak, shards + kRootBytes + 2 * kUnitBytes);
+    // Not vacuous: the root's buffer and the last block's gradient being reduced do coexist.
+    EXPECT_GE(peak, shards + kRootBytes + kUnitBytes);
+  }
 }
 
 // The ModuleList policy, and a unit around a wrapper module (as an ActivationCheckpoint around a
@@ -515,6 +566,70 @@ TEST(FsdpState, AMixedPrecisionRunAndAnFp32RunLoadEachOthersState) {
       EXPECT_TRUE(a.at(name).equal(tensor)) << name;
     }
   }));
+}
+
+// --- optimizer offload ------------------------------------------------------------------------
+
+// offload_optimizer_state at W = 2: the state and fp32 masters are host tensors apart from the
+// parameters' (on this CPU-only machine the "device" is the host too, so the test checks the
+// path's arithmetic and bookkeeping: gradients handed to a separate master, updated there and
+// copied back). fp32 and bf16 models, AdamW with accumulation and clipping: every parameter and
+// every checkpoint tensor bitwise equal to the same run without offload, the same names and
+// ranges, and each run's state loads into the other.
+ckpt::State deep_copy(const ckpt::State& state) {
+  ckpt::State copy = state;
+  for (ckpt::TensorEntry& entry : copy.tensors) entry.tensor = entry.tensor.clone();
+  return copy;
+}
+
+TEST(FsdpOffload, TrainsBitwiseAsWithoutAndTheStatesLoadIntoEachOther) {
+  torch::set_num_threads(1);
+  const Shape shape;
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16 model" : "fp32 model");
+    const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
+    const Scenario s{.name = "offload", .micro_steps = 2, .clip = 0.5, .bf16 = bf16, .steps = 3};
+    expect_all_ok(run_threads(2, [&](Rank& r) {
+      auto group = make_group(r);
+      auto plain_model = make_model(shape, dtype, true);
+      FullyShardedDataParallel plain(plain_model, *group);
+      plain.set_optimizer(make_flat_optimizer(s));
+      auto offload_model = make_model(shape, dtype, true);
+      FullyShardedDataParallel offload(offload_model, *group, {.offload_optimizer_state = true});
+      offload.set_optimizer(make_flat_optimizer(s));
+
+      const FsdpMemory m = offload.memory();
+      EXPECT_EQ(m.optimizer_bytes, 0) << "nothing of the optimizer on the parameters' device";
+      EXPECT_EQ(m.offloaded_optimizer_bytes, offload.optimizer_state_bytes());
+      // AdamW's two moments and an fp32 master per shard element.
+      EXPECT_EQ(m.offloaded_optimizer_bytes,
+                plain.memory().optimizer_bytes + (bf16 ? 0 : plain.optimizer_state_bytes() / 2));
+
+      train(plain, *plain_model, r.rank, 2, s);
+      train(offload, *offload_model, r.rank, 2, s);
+      const Parameters expected = plain.gather_full_parameters();
+      for (const auto& [name, tensor] : offload.gather_full_parameters()) {
+        EXPECT_TRUE(tensor.equal(expected.at(name))) << name;
+      }
+      ckpt::State plain_state, offload_state;
+      plain.add_state(plain_state);
+      offload.add_state(offload_state);
+      expect_same_tensors(offload_state, plain_state, "offloaded state against the plain run's");
+
+      // Each run continues from the other's state, one more step, still bitwise together.
+      const ckpt::State plain_copy = deep_copy(plain_state),
+                        offload_copy = deep_copy(offload_state);
+      offload.load_state(plain_copy);
+      plain.load_state(offload_copy);
+      const Scenario more{.name = "more", .clip = 0.5, .bf16 = bf16, .steps = 1};
+      train(plain, *plain_model, r.rank, 2, more);
+      train(offload, *offload_model, r.rank, 2, more);
+      ckpt::State plain_after, offload_after;
+      plain.add_state(plain_after);
+      offload.add_state(offload_after);
+      expect_same_tensors(offload_after, plain_after, "after loading each other's state");
+    }));
+  }
 }
 
 // --- bad input --------------------------------------------------------------------------------
