@@ -98,7 +98,15 @@ double sharded_step(ShardedModel& m, const Settings& s, int rank, int index) {
 struct ShardingTimes {
   double cold_ms = 0;  // the first step (allocations, first gathers)
   std::vector<double> warm_ms;
+  std::vector<double> gather_wait_ms;  // FSDP: blocked on parameter gathers, per warm step
+  std::vector<double> reduce_wait_ms;  // FSDP: blocked on gradient reduce-scatters
 };
+
+const loom::parallel::FsdpStats* fsdp_stats(const ShardedModel& m) {
+  const auto* fsdp =
+      dynamic_cast<const loom::parallel::FullyShardedDataParallel*>(m.strategy.get());
+  return fsdp != nullptr ? &fsdp->stats() : nullptr;
+}
 
 // Peak bytes by category above what was live before, counted from the allocations: over the
 // construction and wrapping of the model (`built`), and over two steps after it (`steps`, the
@@ -149,9 +157,19 @@ void run_sharding_worker(const Settings& s) {
   for (int round = 0; round < 1 + s.warmup + s.steps; ++round) {
     for (size_t i = 0; i < timed.size(); ++i) {
       group->barrier()->wait();
+      const loom::parallel::FsdpStats* stats = fsdp_stats(models[i]);
+      const loom::parallel::FsdpStats before = stats ? *stats : loom::parallel::FsdpStats{};
       const double ms = sharded_step(models[i], s, group->rank(), round);
       if (round == 0) times[i].cold_ms = ms;
-      if (round > s.warmup) times[i].warm_ms.push_back(ms);
+      if (round > s.warmup) {
+        times[i].warm_ms.push_back(ms);
+        if (stats != nullptr) {
+          times[i].gather_wait_ms.push_back(
+              1e3 * (stats->gather_wait_seconds - before.gather_wait_seconds));
+          times[i].reduce_wait_ms.push_back(
+              1e3 * (stats->reduce_wait_seconds - before.reduce_wait_seconds));
+        }
+      }
     }
   }
   models.clear();
@@ -189,14 +207,16 @@ void run_sharding_worker(const Settings& s) {
     row.extra["params_m"] = params / 1e6;
     emit(s, row);
   }
-  auto median_of = [&](const std::string& name) {
+  auto times_of = [&](const std::string& name) -> const ShardingTimes& {
     for (size_t i = 0; i < timed.size(); ++i) {
-      if (timed[i].name == name) return median(times[i].warm_ms);
+      if (timed[i].name == name) return times[i];
     }
     throw loom::InvalidArgument("bench_train: no case " + name);
   };
-  const double fsdp_ms = median_of("fsdp");
-  const double no_prefetch_ms = median_of("fsdp_no_prefetch");
+  const ShardingTimes& fsdp = times_of("fsdp");
+  const ShardingTimes& no_prefetch = times_of("fsdp_no_prefetch");
+  const double fsdp_ms = median(fsdp.warm_ms);
+  const double no_prefetch_ms = median(no_prefetch.warm_ms);
   emit(s, {"train",
            "fsdp_prefetch" + suffix,
            fsdp_ms,
@@ -205,6 +225,20 @@ void run_sharding_worker(const Settings& s) {
            "ms",
            no_prefetch_ms / fsdp_ms,
            {}});
+  // What prefetch hides: the time the training thread waited for gathers, with and without it.
+  const double wait_ms = median(fsdp.gather_wait_ms);
+  const double unhidden_ms = median(no_prefetch.gather_wait_ms);
+  loom::bench::Row waits{"train",
+                         "fsdp_gather_wait" + suffix,
+                         wait_ms,
+                         unhidden_ms,
+                         "fsdp_no_prefetch",
+                         "ms",
+                         wait_ms > 0 ? unhidden_ms / wait_ms : 0,
+                         {}};
+  waits.extra["hidden_pct"] = unhidden_ms > 0 ? 100 * (1 - wait_ms / unhidden_ms) : 0;
+  waits.extra["reduce_wait_ms"] = median(fsdp.reduce_wait_ms);
+  emit(s, waits);
 
   // model_state: the sum of the parameter, gradient and optimizer-state peaks (an upper bound
   // of their joint peak).

@@ -142,6 +142,10 @@ FsdpOptions FsdpOptions::from(const Config& config) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
 using metrics::MemoryCategory;
 using metrics::MemoryCategoryScope;
 using std::chrono::milliseconds;
@@ -613,8 +617,10 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     Unit& unit = units[u];
     launch_gather(u, /*prefetch=*/false);
     if (unit.gathered == Gathered::kInFlight) {
+      const Clock::time_point start = Clock::now();
       try {
         unit.gather_work->wait(options.timeout);
+        stats.gather_wait_seconds += seconds_since(start);
       } catch (const Timeout& e) {
         throw Timeout(loom::detail::concat("FSDP on rank ", rank, ": gathering the parameters of ",
                                            describe_unit(u), " for ", why, " timed out (", e.what(),
@@ -830,8 +836,10 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
 
   void complete_reduce(int u, Clock::time_point deadline) {
     Unit& unit = units[u];
+    const Clock::time_point start = Clock::now();
     try {
       unit.reduce_work->wait(util::time_left(deadline));
+      stats.reduce_wait_seconds += seconds_since(start);
     } catch (const Timeout& e) {
       throw Timeout(loom::detail::concat(
           "FSDP on rank ", rank, ": the reduce-scatter of ", describe_unit(u),

@@ -214,6 +214,10 @@ struct FsdpStats {
   int64_t backward_prefetched = 0;  // unit backwards whose all-gather was launched before it began
   int64_t reduce_scatters_in_backward = 0;  // launched by gradient hooks while backward ran
   int64_t reduce_scatters = 0;              // all gradient reduce-scatters
+  // Time the training thread spent blocked on gathers and reduce-scatters: the communication
+  // that prefetch and overlap did not hide.
+  double gather_wait_seconds = 0;
+  double reduce_wait_seconds = 0;
 };
 
 class LOOM_API FullyShardedDataParallel final : public Strategy, private detail::FsdpUnitHooks {

@@ -246,6 +246,12 @@ inline std::vector<Case> cases() {
                  {.reshard_after_forward = false, .param_dtype = at::kBFloat16}});
   out.push_back({{.name = "adamw-param-bf16-reduce-fp32-accumulate", .micro_steps = 2},
                  {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat}});
+  // The optimizer state and fp32 masters in host memory, updated there.
+  out.push_back({{.name = "adamw-offload"}, {.offload_optimizer_state = true}});
+  out.push_back({{.name = "adamw-offload-accumulate-clip", .micro_steps = 2, .clip = 0.05},
+                 {.offload_optimizer_state = true}});
+  out.push_back({{.name = "adamw-bf16-offload-accumulate", .micro_steps = 2, .bf16 = true},
+                 {.offload_optimizer_state = true}});
   return out;
 }
 
