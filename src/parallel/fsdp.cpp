@@ -142,13 +142,13 @@ FsdpOptions FsdpOptions::from(const Config& config) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using metrics::MemoryCategory;
+using metrics::MemoryCategoryScope;
+using std::chrono::milliseconds;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
-using metrics::MemoryCategory;
-using metrics::MemoryCategoryScope;
-using std::chrono::milliseconds;
 
 constexpr const char* kRootName = "(root)";
 
