@@ -29,6 +29,7 @@
 #include "metrics/activity.h"
 #include "metrics/stacks.h"
 #include "util/files.h"
+#include "util/malloc_tuning.h"
 #include "util/mix.h"
 
 namespace loom {
@@ -216,6 +217,9 @@ ConfigSchema Runtime::schema() {
   s.add("run.threads", 0, "torch intra-op threads per rank; 0 = cores / ranks on this host");
   s.add("run.device", "auto", "auto (cuda:<local_rank> when available, else cpu), cpu or cuda");
   s.add("run.deterministic", false, "make torch use deterministic algorithms only");
+  s.add("run.keep_freed_memory", true,
+        "keep freed memory in the process (glibc: allocations up to 32 MiB from the heap, no "
+        "trimming) instead of returning it and faulting it in again every step");
   s.add("log.level", "info", "trace, debug, info, warn, error or off");
   s.add("log.to_file", true, "also write <run.dir>/logs/rank_<r>.log");
   s.add("comm.shared_memory", true,
@@ -268,6 +272,7 @@ Runtime Runtime::init(const Config& config, const Topology& topology, bool confi
   impl->threads = choose_threads(config.get<int>("run.threads"), topology.local_world_size);
   impl->device = choose_device(config.get<std::string>("run.device"), topology.local_rank);
   if (configure_process) {
+    if (config.get<bool>("run.keep_freed_memory")) util::keep_freed_memory();
     at::set_num_threads(impl->threads);
     at::manual_seed(impl->seed);
     at::globalContext().setDeterministicAlgorithms(config.get<bool>("run.deterministic"),

@@ -1,7 +1,14 @@
 // bench_train --mode=trainer: train::Trainer's step time beside a hand-written loop over the
 // same DataParallel, the plain libtorch loop and PyTorch's Python DDP (main.cpp has the cases).
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -55,15 +62,32 @@ double median_ratio(const std::vector<double>& num, const std::vector<double>& d
   return median(ratios);
 }
 
-// Turn-taking with the Python DDP peer (run_trainer_parent starts both at once), through files
-// in one directory, so that the two alternate round by round and load on the machine falls on
-// both alike: after Loom's round i (the Trainer step and the hand loops), Loom's rank 0 creates
-// python_<i> and waits for loom_<i>, which Python's rank 0 creates after its own round i. The
-// wait is outside every timed region. When the Python side fails (it creates "failed") or takes
-// longer than a deadline, Loom goes on alone and the Python row is skipped.
+// Turn-taking with the Python DDP peer (run_trainer_parent starts both at once), so that the two
+// alternate round by round and load on the machine falls on both alike: after Loom's round i
+// (the Trainer step and the hand loops), Loom's rank 0 writes a byte into the FIFO to_python
+// and blocks reading to_loom, into which Python's rank 0 writes after its own round i. Both
+// sides block in the kernel while the other runs: a waiting side that polled (200 us sleeps, as
+// this did until 2026-12-07) cost the running side's step up to 18%, and Python's polling costs
+// more than C++'s. The wait is outside every timed region. When the Python side fails (it
+// creates "failed") or takes longer than a deadline, Loom goes on alone and the Python row is
+// skipped.
 class PythonBaton {
  public:
   explicit PythonBaton(std::string dir) : dir_(std::move(dir)) {}
+  ~PythonBaton() {
+    if (to_python_ >= 0) ::close(to_python_);
+    if (to_loom_ >= 0) ::close(to_loom_);
+  }
+  PythonBaton(const PythonBaton&) = delete;
+  PythonBaton& operator=(const PythonBaton&) = delete;
+
+  // The FIFOs, made by the parent before Python starts.
+  static void make_fifos(const std::filesystem::path& dir) {
+    for (const char* name : {"to_python", "to_loom"}) {
+      LOOM_CHECK(::mkfifo((dir / name).c_str(), 0600) == 0, loom::Error, "bench_train: mkfifo ",
+                 (dir / name).string(), ": ", std::strerror(errno));
+    }
+  }
 
   // Each rank's batches, in the order its Trainer reads them, for Python to train on the same
   // tokens: rounds x [batch, seq + 1] int64, written before the first round.
@@ -86,25 +110,40 @@ class PythonBaton {
     std::filesystem::rename(part, path);
   }
 
-  // Rank 0: hands round `round` to Python and waits until it is done.
-  void pass(int round) {
+  // Rank 0: hands a round to Python and blocks until Python has run it.
+  void pass() {
     if (dir_.empty() || gone_) return;
     const std::filesystem::path dir(dir_);
-    std::ofstream(dir / loom::detail::concat("python_", round)).put('1');
-    const std::filesystem::path back = dir / loom::detail::concat("loom_", round);
+    if (to_python_ < 0) {  // O_RDWR: opening a FIFO so never blocks
+      to_python_ = ::open((dir / "to_python").c_str(), O_RDWR | O_CLOEXEC);
+      to_loom_ = ::open((dir / "to_loom").c_str(), O_RDWR | O_CLOEXEC);
+      LOOM_CHECK(to_python_ >= 0 && to_loom_ >= 0, loom::Error, "bench_train: cannot open ",
+                 dir.string(), "/to_python or to_loom: ", std::strerror(errno));
+    }
+    const char token = '1';
+    LOOM_CHECK(::write(to_python_, &token, 1) == 1, loom::Error,
+               "bench_train: writing to_python: ", std::strerror(errno));
     const auto deadline = Clock::now() + std::chrono::minutes(5);
-    while (!std::filesystem::exists(back)) {
+    for (;;) {
+      pollfd fd{to_loom_, POLLIN, 0};
+      if (::poll(&fd, 1, 100) == 1) {
+        char back = 0;
+        LOOM_CHECK(::read(to_loom_, &back, 1) == 1, loom::Error,
+                   "bench_train: reading to_loom: ", std::strerror(errno));
+        return;
+      }
       if (std::filesystem::exists(dir / "failed") || Clock::now() > deadline) {
         gone_ = true;
         return;
       }
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   }
 
  private:
   std::string dir_;
   bool gone_ = false;
+  int to_python_ = -1;
+  int to_loom_ = -1;
 };
 
 loom::Runtime trainer_runtime(const Settings& s) {
@@ -211,11 +250,17 @@ TrainerTimes measure_trainer(const Settings& s) {
 
   // During Python's turn the ranks sleep for a step; the first step after that runs up to 10%
   // slower (measured: whichever loop came first paid it), so each side's turn starts with an
-  // untimed forward and backward of a model of its own (Python's script does the same).
+  // untimed forward and backward of the model its turn then times, without communication:
+  // Python's under DDP's no_sync(), the Trainer's under DataParallel's. (Until 2026-12-07 Loom
+  // warmed the plain loop's model instead, and the Trainer's step that followed paid for
+  // touching another model's memory: 182-195 ms against 154 ms without any warm-up.)
   const at::Tensor warm_tokens = torch::randint(s.vocab, {s.batch, s.seq + 1}, torch::kLong);
   auto warm_up = [&] {
-    loss_on(*plain_model, s, warm_tokens).backward();
-    plain_opt.zero_grad();
+    {
+      auto no_sync = trainer_dp->no_sync();
+      loss_on(*trainer_model, s, warm_tokens).backward();
+    }
+    trainer_dp->zero_grad();
     group.barrier()->wait();
   };
   std::vector<double> trainer_ms, hand_dp_ms, hand_plain_ms;
@@ -232,9 +277,19 @@ TrainerTimes measure_trainer(const Settings& s) {
     const bool record = info.step >= s.warmup;
     group.barrier()->wait();
     if (record) trainer_ms.push_back(ms_since(trainer_start));
-    timed(hand_dp_step, hand_dp_ms, record);
-    timed(hand_plain_step, hand_plain_ms, record);
-    if (group.rank() == 0) python.pass(static_cast<int>(info.step));
+    // The two hand loops swap places every round: a loop that follows the plain libtorch loop
+    // pays for it (torch::optim::AdamW's parameter-sized temporaries are returned to the
+    // system, and the next loop's first allocations fault their pages in again: 40-50 ms on a
+    // 13M-parameter model), so the Trainer and the DataParallel loop each follow it every
+    // other round.
+    if (info.step % 2 == 0) {
+      timed(hand_dp_step, hand_dp_ms, record);
+      timed(hand_plain_step, hand_plain_ms, record);
+    } else {
+      timed(hand_plain_step, hand_plain_ms, record);
+      timed(hand_dp_step, hand_dp_ms, record);
+    }
+    if (group.rank() == 0) python.pass();
     group.barrier()->wait();
     if (!s.baton.empty()) warm_up();
     trainer_start = Clock::now();
@@ -280,19 +335,20 @@ namespace {
 // (PythonBaton). Every step runs from one barrier to the next, as in measure_trainer; rank 0
 // prints the step time of every measured round.
 constexpr const char* kPythonDdp = R"PY(
-import math, os, sys, time
+import math, os, select, sys, time
 
 a = dict(arg.split("=", 1) for arg in sys.argv[1:])
 baton = a["baton"]
 
 
-def wait_for(name):
-    deadline = time.monotonic() + 300
-    path = os.path.join(baton, name)
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError("Loom did not create " + path + " within 300 s")
-        time.sleep(0.0002)
+def channel(name):  # a FIFO made by Loom; O_RDWR never blocks on open
+    return os.open(os.path.join(baton, name), os.O_RDWR)
+
+
+def wait_for_turn(fd):  # blocks in the kernel until Loom hands over a round
+    if not select.select([fd], [], [], 300)[0]:
+        raise TimeoutError("Loom did not hand over a round within 300 s")
+    os.read(fd, 1)
 
 
 try:
@@ -349,9 +405,11 @@ def worker(rank, a):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rounds = a["warmup"] + a["steps"]
     batches, times = None, []
+    if rank == 0:
+        turn, done = channel("to_python"), channel("to_loom")
     for i in range(rounds):
         if rank == 0:
-            wait_for("python_%d" % i)
+            wait_for_turn(turn)
         dist.barrier()
         if batches is None:  # written by Loom's rank before its first round
             with open(os.path.join(baton, "tokens_rank%d.bin" % rank), "rb") as f:
@@ -374,7 +432,7 @@ def worker(rank, a):
         if i >= a["warmup"]:
             times.append((time.perf_counter() - start) * 1e3)
         if rank == 0:
-            open(os.path.join(baton, "loom_%d" % i), "w").close()
+            os.write(done, b"1")
     if rank == 0:
         print("step_ms", " ".join("%.6g" % t for t in times), flush=True)
     dist.destroy_process_group()
@@ -488,6 +546,7 @@ int run_trainer_parent(Settings s, const std::string& self) {
     if (ranks == 2) {
       const std::filesystem::path baton = dir / "baton";
       std::filesystem::create_directories(baton);
+      PythonBaton::make_fifos(baton);
       python = start_python_ddp(s, dir, baton);
       if (python) s.baton = baton.string();
     }
