@@ -434,10 +434,6 @@ struct DataParallel::Impl {
     }
   }
 
-  int64_t staging_bytes(const Bucket& bucket) const {
-    return bucket.padded * static_cast<int64_t>(c10::elementSize(bucket.dtype));
-  }
-
   // Before bucket `next`'s staging buffer: while max_staging_buckets are alive, waits for the
   // oldest launched one's reduce-scatter and frees it. A bucket is closed once it holds
   // bucket_bytes, so it is under twice that unless it holds a parameter larger than a bucket
@@ -448,8 +444,9 @@ struct DataParallel::Impl {
   void limit_staging(int next) {
     if (options.max_staging_buckets <= 0) return;
     release_reduced_staging();
-    const bool alone =
-        staging_bytes(buckets[next]) > 2 * static_cast<int64_t>(options.bucket_bytes);
+    const Bucket& staged = buckets[next];
+    const bool alone = staged.padded * static_cast<int64_t>(c10::elementSize(staged.dtype)) >
+                       2 * static_cast<int64_t>(options.bucket_bytes);
     for (;;) {
       int alive = 0;
       int oldest_launched = -1;
@@ -550,7 +547,7 @@ struct DataParallel::Impl {
     if (sharded_gradients()) release_reduced_staging();
     stats.buckets = static_cast<int>(buckets.size());
     stats.buckets_launched_during_backward = launched_in_backward;
-    stats.wait_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    stats.wait_seconds = util::seconds_since(start);
     stats.peak_gradient_bytes = peak_gradient_bytes;
   }
 

@@ -145,10 +145,7 @@ using Clock = std::chrono::steady_clock;
 using metrics::MemoryCategory;
 using metrics::MemoryCategoryScope;
 using std::chrono::milliseconds;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using util::seconds_since;
 
 constexpr const char* kRootName = "(root)";
 
@@ -221,7 +218,6 @@ struct Unit {
   // fp32 copy of the shard: non-fp32 parameters with master weights (saved in checkpoints), and
   // every unit under offload_optimizer_state (in host memory; an fp32 one is not saved).
   at::Tensor master;
-  bool master_saved = false;
   std::vector<at::Tensor> state;             // optimizer state for the shard, fp32
   at::Tensor grad_shard;                     // the reduced gradient of the shard (grad_dtype)
   at::ScalarType reduce_dtype = at::kFloat;  // of the reduce-scatter: reduce_dtype, or compute
@@ -299,6 +295,11 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
 
   at::TensorOptions on_device(at::ScalarType dtype) const {
     return at::TensorOptions().dtype(dtype).device(device);
+  }
+  // Whether the unit's fp32 master is state of its own, saved in checkpoints (non-fp32
+  // parameters); an fp32 unit's offloaded master equals its shard.
+  bool saves_master(const Unit& unit) const {
+    return unit.dtype != at::kFloat && options.master_weights;
   }
   // Where the optimizer state and fp32 masters live: the device, or pinned host memory under
   // offload_optimizer_state (plain host memory when the parameters are on the CPU already).
@@ -515,8 +516,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       unit.shard = flat.narrow(0, unit.shard_begin, unit.shard_size()).clone();
       unit.full = unit.compute_dtype == unit.dtype ? flat : flat.to(unit.compute_dtype);
       flat = at::Tensor();
-      unit.master_saved = unit.dtype != at::kFloat && options.master_weights;
-      if (unit.master_saved || options.offload_optimizer_state) {
+      if (saves_master(unit) || options.offload_optimizer_state) {
         MemoryCategoryScope state(MemoryCategory::kOptimizerState);
         unit.master = at::empty({unit.shard_size()}, optimizer_options());
         unit.master.copy_(unit.shard);
@@ -1050,7 +1050,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       for (size_t i = 0; i < names.size() && i < unit.state.size(); ++i) {
         piece_of("optim/" + p.name + "/" + names[i], p, unit, lo, hi, unit.state[i]);
       }
-      if (unit.master_saved) piece_of("optim/" + p.name + "/master", p, unit, lo, hi, unit.master);
+      if (saves_master(unit)) piece_of("optim/" + p.name + "/master", p, unit, lo, hi, unit.master);
     });
   }
 
@@ -1086,7 +1086,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     });
     steps = saved_steps;
     for (Unit& unit : units) {
-      if (unit.master_saved) {
+      if (saves_master(unit)) {
         unit.shard.copy_(unit.master);
       } else if (unit.master.defined()) {
         unit.master.copy_(unit.shard);  // an offloaded fp32 master is its shard

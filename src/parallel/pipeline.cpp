@@ -7,6 +7,7 @@
 #include <map>
 
 #include "loom/error.h"
+#include "util/deadline.h"
 #include "util/dtype.h"
 
 namespace loom::parallel {
@@ -14,10 +15,7 @@ namespace loom::parallel {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using util::seconds_since;
 
 std::vector<PipelineAction> gpipe(int micro_batches) {
   std::vector<PipelineAction> out;

@@ -1,4 +1,5 @@
-// Loom's one way to turn a deadline into the time a wait may take. Private to Loom.
+// Loom's one way to turn a deadline into the time a wait may take, and to time a wait. Private
+// to Loom.
 //
 //   const auto deadline = util::deadline_after(timeout);
 //   while (!ready()) {
@@ -27,6 +28,11 @@ inline std::chrono::milliseconds time_left(SteadyClock::time_point deadline) {
   return std::max(
       std::chrono::milliseconds(1),
       std::chrono::duration_cast<std::chrono::milliseconds>(deadline - SteadyClock::now()));
+}
+
+// Seconds since `start`, for the wait and compute times that stats report.
+inline double seconds_since(SteadyClock::time_point start) {
+  return std::chrono::duration<double>(SteadyClock::now() - start).count();
 }
 
 }  // namespace loom::util
