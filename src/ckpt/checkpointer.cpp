@@ -448,21 +448,19 @@ void Checkpointer::Impl::write_file(Job& job) {
       written += n;
     }
   };
-  std::vector<Piece*> pieces;  // the report's pieces are in plan (= file) order
-  for (auto& t : job.report.tensors)
-    for (auto& piece : t.pieces) pieces.push_back(&piece);
-  for (size_t i = 0; i < job.plan.pieces.size(); ++i) {
-    const PlannedPiece& p = job.plan.pieces[i];
-    Piece& piece = *pieces[i];
-    const char* bytes = job.staging + p.offset;
-    piece.chunk_hashes.clear();
-    for (uint64_t cs = 0; cs < p.bytes; cs += piece.chunk_bytes) {
-      const uint64_t n = std::min<uint64_t>(piece.chunk_bytes, p.bytes - cs);
-      job.wait_staged(p.offset + cs + n);
-      piece.chunk_hashes.push_back(util::xxh64(bytes + cs, n));
-      write_up_to(p.offset + cs + n, false);
+  // The report's pieces are in file order.
+  for (auto& t : job.report.tensors) {
+    for (Piece& piece : t.pieces) {
+      const char* bytes = job.staging + piece.offset;
+      piece.chunk_hashes.clear();
+      for (uint64_t cs = 0; cs < piece.bytes; cs += piece.chunk_bytes) {
+        const uint64_t n = std::min<uint64_t>(piece.chunk_bytes, piece.bytes - cs);
+        job.wait_staged(piece.offset + cs + n);
+        piece.chunk_hashes.push_back(util::xxh64(bytes + cs, n));
+        write_up_to(piece.offset + cs + n, false);
+      }
+      piece.hash = piece_hash(piece.chunk_hashes);
     }
-    piece.hash = piece_hash(piece.chunk_hashes);
   }
   job.wait_staged(job.plan.file_bytes);
   write_up_to(padded, true);
@@ -703,17 +701,17 @@ std::shared_ptr<SaveHandle::Job> Checkpointer::Impl::stage(int64_t step, const S
                         kind_name(e.sharding.kind),
                         {}};
     if (next_piece < plan.pieces.size() && plan.pieces[next_piece].entry == i) {
+      // One manifest piece per run, one after the other in the file.
       const PlannedPiece& p = plan.pieces[next_piece++];
       const uint64_t es = e.tensor.element_size();
       const uint64_t chunk = std::max<uint64_t>(es, options.hash_chunk_bytes / es * es);
-      record.pieces.push_back({data_file_name(options.rank),
-                               p.region.begin,
-                               p.region.end,
-                               p.offset,
-                               p.bytes,
-                               0,
-                               chunk,
-                               {}});
+      uint64_t offset = p.offset;
+      for (const Run& run : p.region.runs) {
+        const uint64_t bytes = static_cast<uint64_t>(run.end - run.begin) * es;
+        record.pieces.push_back(
+            {data_file_name(options.rank), run.begin, run.end, offset, bytes, 0, chunk, {}});
+        offset += bytes;
+      }
       job->pending.push_back(e.tensor);
     }
     report.tensors.push_back(std::move(record));
@@ -865,8 +863,12 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     at::Tensor& t = state.tensors[i].tensor;
     const auto& [record, region] = plan[i];
-    if (t.device().is_cpu() && t.is_contiguous())
-      in_place.push_back({record, region.begin, region.end, static_cast<char*>(t.data_ptr())});
+    if (!t.device().is_cpu() || !t.is_contiguous()) continue;
+    char* dest = static_cast<char*>(t.data_ptr());
+    for (const Run& run : region.runs) {
+      in_place.push_back({record, run.begin, run.end, dest});
+      dest += (run.end - run.begin) * t.element_size();
+    }
   }
   reader.read(in_place, load_options.verify);
   // The others one at a time through a host tensor.
@@ -886,8 +888,13 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
     } else {
       target = at::empty(t.sizes(), t.options().device(at::kCPU));
     }
-    reader.read(*record, region.begin, region.end, static_cast<char*>(target.data_ptr()),
-                load_options.verify);
+    std::vector<StepReader::Request> requests;
+    char* dest = static_cast<char*>(target.data_ptr());
+    for (const Run& run : region.runs) {
+      requests.push_back({record, run.begin, run.end, dest});
+      dest += (run.end - run.begin) * target.element_size();
+    }
+    reader.read(requests, load_options.verify);
     t.copy_(target);
   }
   for (auto& [name, text] : state.blobs) text = reader.manifest().blobs.at(name);

@@ -11,11 +11,17 @@
 
 namespace loom::ckpt {
 
-// The part of a global tensor one TensorEntry holds, as elements of the flattened tensor.
-struct Region {
-  std::vector<int64_t> global_shape;
+// The part of a global tensor one TensorEntry holds: runs of elements of the flattened global
+// tensor, in the order the entry's tensor holds them (one run for every kind but kBlock).
+struct Run {
   int64_t begin = 0;
   int64_t end = 0;
+};
+struct Region {
+  std::vector<int64_t> global_shape;
+  std::vector<Run> runs;  // disjoint, non-empty, increasing
+
+  int64_t numel() const;
 };
 
 // Checks that entry's tensor agrees with its sharding (InvalidArgument naming the tensor) and
@@ -24,8 +30,11 @@ Region region_of(const TensorEntry& entry);
 
 const char* kind_name(Sharding::Kind kind);
 
-// One piece this rank writes: entry `entry` of the State into bytes [offset, offset + bytes)
-// of its data file.
+// Whether `rank` writes a piece of this sharding (rank 0 for replicated ones, else `written`).
+bool writes(const Sharding& sharding, int rank);
+
+// One entry this rank writes: entry `entry` of the State into bytes [offset, offset + bytes)
+// of its data file, its region's runs one after the other (a manifest piece each).
 struct PlannedPiece {
   size_t entry = 0;
   Region region;
@@ -38,9 +47,9 @@ struct FilePlan {
   uint64_t file_bytes = 0;
 };
 
-// Lays out the pieces `rank` writes: every non-empty kRows/kFlat piece, and replicated tensors
-// on rank 0 only. Pieces of 64 KiB or more start at 4 KiB boundaries, smaller ones at 64 B.
-// Also validates the whole State (unique names, shardings, dtypes): InvalidArgument.
+// Lays out the pieces `rank` writes: every non-empty piece whose sharding is `written`, and
+// replicated tensors on rank 0 only. Pieces of 64 KiB or more start at 4 KiB boundaries, smaller
+// ones at 64 B. Also validates the whole State (unique names, shardings, dtypes): InvalidArgument.
 FilePlan plan_file(const State& state, int rank);
 
 }  // namespace loom::ckpt

@@ -242,6 +242,105 @@ TEST(Checkpointer, ReshardsBetweenEveryWorldSizeForEveryKind) {
   }
 }
 
+// Tensor-parallel pieces as blocks, on a grid of dp x tp ranks (rank = d * tp + t): column
+// shards of a row-parallel weight, each rank's heads of a fused [q; k; v] weight (a box of the
+// view [3, C, C]), a ZeRO part over dp of a column shard, and a LayerNorm every rank holds.
+// Pieces that several ranks hold are written by one of them.
+struct TpGlobals {
+  torch::Tensor col = torch::randn({6, 8});
+  torch::Tensor qkv = torch::randn({12, 4});
+  torch::Tensor zero = torch::randn({5, 4}).to(torch::kBFloat16);
+  torch::Tensor norm = torch::randn({4});
+  torch::Tensor scalar = torch::tensor(3.5);
+};
+
+State tp_state_for(const TpGlobals& g, int rank, int dp, int tp, bool copy = true) {
+  const int t = rank % tp, d = rank / tp;
+  auto take = [&](const torch::Tensor& x) {
+    return copy ? x.contiguous().clone() : torch::zeros_like(x.contiguous());
+  };
+  State s;
+  auto [c0, c1] = share(8, t, tp);
+  Sharding col = Sharding::block({6, 8}, {0, c0}, {6, c1 - c0});
+  col.written = d == 0;
+  s.add("col", take(g.col.slice(1, c0, c1)), col);
+  auto [r0, r1] = share(4, t, tp);
+  Sharding qkv = Sharding::block({12, 4}, {0, r0, 0}, {3, r1 - r0, 4}, {3, 4, 4});
+  qkv.written = d == 0;
+  s.add("qkv", take(g.qkv.view({3, 4, 4}).slice(1, r0, r1).reshape({-1, 4})), qkv);
+  auto [z0, z1] = share(4, t, tp);
+  const torch::Tensor local = g.zero.slice(1, z0, z1).contiguous().reshape(-1);
+  auto [p0, p1] = share(local.numel(), d, dp);
+  s.add("zero", take(local.slice(0, p0, p1)),
+        Sharding::block({5, 4}, {0, z0}, {5, z1 - z0}).part(p0, p1));
+  Sharding norm = Sharding::block({4}, {0}, {4});
+  norm.written = rank == 0;
+  s.add("norm", take(g.norm), norm);
+  Sharding scalar = Sharding::block({}, {}, {});
+  scalar.written = rank == dp * tp - 1;  // any one rank may be the writer
+  s.add("scalar", take(g.scalar), scalar);
+  return s;
+}
+
+TEST(Checkpointer, TensorParallelBlocksReshardBetweenGridsAndLoadAsAnyOtherKind) {
+  TempDir dir;
+  TpGlobals g;
+  const std::vector<std::pair<int, int>> grids = {{1, 1}, {1, 2}, {2, 2}, {1, 4}, {3, 1}};
+  for (auto [dp, tp] : grids) {
+    expect_all_ok(run_threads(dp * tp, [&](loom::testing::Rank& r) {
+      Checkpointer ckpt(r.store, options_for(dir / (std::to_string(dp) + "x" + std::to_string(tp)),
+                                             r.rank, r.world));
+      ckpt.save_sync(1, tp_state_for(g, r.rank, dp, tp));
+    }));
+  }
+  // A column shard is one manifest piece per row; the dp replicas' copies are not written.
+  Manifest m = read_manifest(dir / "2x2" / "step_00000001");
+  EXPECT_EQ(m.find("col")->kind, "block");
+  EXPECT_EQ(m.find("col")->pieces.size(), 12u);
+  EXPECT_EQ(m.find("qkv")->pieces.size(), 6u);
+  EXPECT_EQ(m.find("norm")->pieces.size(), 1u);
+  for (auto [saved_dp, saved_tp] : grids) {
+    for (auto [dp, tp] : grids) {
+      SCOPED_TRACE(::testing::Message() << "saved at " << saved_dp << "x" << saved_tp
+                                        << ", loaded at " << dp << "x" << tp);
+      const auto saved = dir / (std::to_string(saved_dp) + "x" + std::to_string(saved_tp));
+      expect_all_ok(run_threads(dp * tp, [&](loom::testing::Rank& r) {
+        Checkpointer ckpt(r.store, options_for(saved, r.rank, r.world));
+        State s = tp_state_for(g, r.rank, dp, tp, /*copy=*/false);
+        ckpt.load(1, s);
+        expect_equal_state(s, tp_state_for(g, r.rank, dp, tp));
+        // The whole tensors, as a program without tensor parallelism loads them.
+        State whole;
+        whole.add("col", torch::zeros_like(g.col));
+        whole.add("qkv", torch::zeros_like(g.qkv), Sharding::rows({12, 4}, 0, 12));
+        whole.add("zero", torch::zeros_like(g.zero).reshape(-1), Sharding::flat({5, 4}, 0, 20));
+        whole.add("norm", torch::zeros_like(g.norm));
+        whole.add("scalar", torch::zeros_like(g.scalar));
+        ckpt.load(1, whole);
+        EXPECT_TRUE(torch::equal(whole.tensors[0].tensor, g.col));
+        EXPECT_TRUE(torch::equal(whole.tensors[1].tensor, g.qkv));
+        EXPECT_TRUE(torch::equal(whole.tensors[2].tensor, g.zero.reshape(-1)));
+        EXPECT_TRUE(torch::equal(whole.tensors[3].tensor, g.norm));
+        EXPECT_TRUE(torch::equal(whole.tensors[4].tensor, g.scalar));
+      }));
+    }
+  }
+}
+
+TEST(Checkpointer, ABlockThatDoesNotFitItsViewNamesTheNumbers) {
+  TempDir dir;
+  State s;
+  s.add("qkv", torch::zeros({3, 4}), Sharding::block({12, 4}, {0, 2, 0}, {3, 3, 4}, {3, 4, 4}));
+  comm::InMemoryStore store;
+  Checkpointer ckpt(store, options_for(dir.path(), 0, 1));
+  const std::string error = error_of<InvalidArgument>([&] { ckpt.save_sync(1, s); });
+  EXPECT_NE(error.find("checkpoint tensor \"qkv\": a block at offsets [0, 2, 0] of sizes [3, 3, "
+                       "4] (elements [0, 36) of it) of global shape [12, 4] viewed as [3, 4, 4] "
+                       "cannot be a tensor of 12 elements"),
+            std::string::npos)
+      << error;
+}
+
 TEST(Checkpointer, RetentionKeepsLastKAndEveryMthAndRemovesPartialDirs) {
   TempDir dir;
   comm::InMemoryStore store;
