@@ -153,6 +153,35 @@ std::vector<torch::Tensor> GptImpl::stage_parameters(int64_t begin, int64_t end)
   return out;
 }
 
+std::vector<std::string> GptImpl::keep_layers(
+    const std::vector<std::pair<int64_t, int64_t>>& chunks) {
+  std::vector<bool> kept(static_cast<size_t>(config_.n_layer), false);
+  bool first = false, last = false;
+  for (const auto& [begin, end] : chunks) {
+    for (int64_t i = begin; i < end; ++i) kept[static_cast<size_t>(i)] = true;
+    first = first || begin == 0;
+    last = last || end == config_.n_layer;
+  }
+  auto drop = [this](torch::nn::Module& module, const std::string& name) {
+    for (at::Tensor& t : module.parameters()) t.set_data(torch::empty({0}, t.options()));
+    unregister_module(name);
+  };
+  const auto children = blocks->named_children();
+  auto element = blocks->begin();
+  for (size_t i = 0; i < kept.size(); ++i, ++element) {
+    if (kept[i]) continue;
+    for (at::Tensor& t : element->ptr()->parameters()) t.set_data(torch::empty({0}, t.options()));
+    torch::nn::Identity empty;
+    *element = torch::nn::AnyModule(empty);
+    blocks->replace_module(children[i].key(), empty.ptr());
+  }
+  if (!first) drop(*wpe, "wpe");
+  if (!last) drop(*ln_f, "ln_f");
+  if (!first && !last) drop(*wte, "wte");
+  if (first != last) return {"wte.weight"};
+  return {};
+}
+
 std::pair<int64_t, int64_t> GptImpl::stage_layers(const GptConfig& c, int stage, int stages) {
   LOOM_CHECK(stages >= 1 && c.n_layer % stages == 0, loom::ConfigError, "model.n_layer (",
              c.n_layer, ") does not divide into ", stages,

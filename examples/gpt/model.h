@@ -95,6 +95,14 @@ class GptImpl : public torch::nn::Module {
   // The parameters forward_stage(., begin, end) uses (the token embedding on the first and on
   // the last stage: its gradients there must be summed between them).
   std::vector<torch::Tensor> stage_parameters(int64_t begin, int64_t end);
+  // Keeps only the parameters of the blocks in `chunks` (this pipeline rank's [begin, end)
+  // ranges) and of the embeddings and final LayerNorm those chunks use: the other blocks
+  // become empty modules and the rest is unregistered, its memory freed, so that
+  // named_parameters() lists this rank's parameters under the whole model's names (what a
+  // data-parallel strategy over a stage shards and checkpoints). Returns the parameters another
+  // pipeline rank also holds: the token embedding, when this rank has exactly one of the first
+  // and the last stage (its gradients are summed between them; parallel::ModelParallel::tied).
+  std::vector<std::string> keep_layers(const std::vector<std::pair<int64_t, int64_t>>& chunks);
   // Virtual stage `stage` of `stages`' blocks, [begin, end): n_layer / stages each; ConfigError
   // naming both numbers when they do not divide.
   static std::pair<int64_t, int64_t> stage_layers(const GptConfig& config, int stage, int stages);

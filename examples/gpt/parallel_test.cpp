@@ -13,9 +13,13 @@
 #include <set>
 
 #include "harness/harness.h"
+#include "loom/ckpt/checkpointer.h"
+#include "loom/ckpt/inspect.h"
 #include "loom/comm/gloo.h"
+#include "loom/comm/store.h"
 #include "loom/error.h"
 #include "loom/parallel/data_parallel.h"
+#include "loom/parallel/fsdp.h"
 #include "loom/parallel/mesh.h"
 #include "loom/parallel/pipeline.h"
 #include "model.h"
@@ -27,6 +31,7 @@ namespace {
 namespace tp = loom::parallel::tp;
 using loom::parallel::DataParallel;
 using loom::parallel::DeviceMesh;
+using loom::parallel::Mode;
 using loom::parallel::Pipeline;
 using loom::parallel::Schedule;
 using loom::testing::expect_all_ok;
@@ -519,6 +524,231 @@ TEST(GptComposed, PipelineDataAndTensorParallelTwoByTwoByTwoAsProcesses) {
     torch::set_num_threads(1);
     check_composed_rank(r, layout, composed_reference(layout.dp));
   }));
+}
+
+// --- pp x dp x tp with Loom's data-parallel strategies as dp ---------------------------------
+//
+// Each rank keeps its stage's parameters only (keep_layers), under the whole model's names, and
+// a DataParallel (ddp, zero2) or an FSDP (every block a unit) over the dp group shards them,
+// with parallel::ModelParallel saying how they are pieces of the whole model: the pipeline runs
+// its micro-batches under no_sync, reduce_accumulated_gradients sums the tied embedding between
+// the first and the last stage and reduces over dp, clip_grad_norm gives the whole model's norm.
+
+struct Staged {
+  std::unique_ptr<loom::comm::Group> tied;  // the first and the last stage's ranks
+  std::unique_ptr<loom::parallel::Strategy> strategy;
+  std::unique_ptr<Pipeline> pipe;
+};
+
+std::unique_ptr<loom::optim::FlatOptimizer> loom_optimizer(Optimizer which) {
+  if (which == Optimizer::kSgd) {
+    return std::make_unique<loom::optim::Sgd>(
+        loom::optim::SgdOptions{.lr = 0.5, .momentum = 0.9, .weight_decay = 0.01});
+  }
+  return std::make_unique<loom::optim::AdamW>(
+      loom::optim::AdamWOptions{.lr = kAdamLr, .weight_decay = 0.1});
+}
+
+// `model` cut to this rank's stage of a 1F1B pipeline over the mesh's pp group, with `mode` over
+// its dp group.
+Staged stage_under(Gpt& model, DeviceMesh& mesh, Mode mode) {
+  Staged st;
+  loom::comm::Group& pp = mesh.group("pp");
+  const auto [begin, end] = GptImpl::stage_layers(deep(), pp.rank(), pp.size());
+  loom::parallel::ModelParallel mp{.tp = &mesh.group("tp"), .pp = &pp};
+  const std::vector<std::string> tied = model->keep_layers({{begin, end}});
+  if (!tied.empty()) {
+    st.tied = pp.new_subgroup({0, pp.size() - 1});
+    for (const std::string& name : tied) mp.tied.push_back({name, st.tied.get()});
+  }
+  const auto timeout = std::chrono::milliseconds(std::chrono::seconds(60));
+  if (mode == Mode::kFsdp) {
+    loom::parallel::wrap_modules<BlockImpl>(model->blocks);
+    st.strategy = std::make_unique<loom::parallel::FullyShardedDataParallel>(
+        model.ptr(), mesh.group("dp"),
+        loom::parallel::FsdpOptions{.timeout = timeout, .model_parallel = mp});
+  } else {
+    st.strategy = std::make_unique<DataParallel>(
+        model.ptr(), mesh.group("dp"),
+        loom::parallel::DataParallelOptions{.bucket_bytes = 16 << 10,
+                                            .zero_stage = mode == Mode::kZero2
+                                                              ? loom::parallel::ZeroStage::kTwo
+                                                              : loom::parallel::ZeroStage::kNone,
+                                            .timeout = timeout,
+                                            .model_parallel = mp});
+  }
+  st.pipe = std::make_unique<Pipeline>(
+      pp,
+      std::vector<loom::parallel::StageFn>{
+          [&model, begin = begin, end = end](const at::Tensor& in) {
+            return model->forward_stage(in, begin, end);
+          }},
+      loom::parallel::PipelineOptions{.micro_batches = kMicroBatches, .timeout = timeout});
+  return st;
+}
+
+// This rank's parameters as the strategy holds them now (FSDP's gathered).
+std::map<std::string, at::Tensor> strategy_parameters(Gpt& model, loom::parallel::Strategy& s) {
+  if (auto* fsdp = dynamic_cast<loom::parallel::FullyShardedDataParallel*>(&s))
+    return fsdp->gather_full_parameters();
+  return copy_parameters(model);
+}
+
+// One training step of a staged rank on its replica's rows; returns the replicas' mean loss and
+// the whole model's gradient norm.
+std::pair<double, double> staged_step(Gpt& model, Staged& st, DeviceMesh& mesh, int step) {
+  const int replicas = mesh.size("dp"), replica = mesh.coordinate("dp");
+  const auto [x, y] = pipeline_batch(step, replicas);
+  loom::parallel::Strategy& strategy = *st.strategy;
+  strategy.zero_grad();
+  strategy.set_sync(false);
+  double loss = st.pipe->step(x.narrow(0, kPipelineRows * replica, kPipelineRows),
+                              y.narrow(0, kPipelineRows * replica, kPipelineRows),
+                              [&](const at::Tensor& logits, const at::Tensor& targets) {
+                                return model->loss_from_logits(logits, targets);
+                              });
+  strategy.reduce_accumulated_gradients();
+  strategy.finish_gradient_sync();
+  const double norm = strategy.clip_grad_norm(std::numeric_limits<double>::infinity());
+  strategy.step();
+  at::Tensor average = torch::full({1}, loss, torch::kDouble);
+  mesh.group("dp").all_reduce(average, {.op = loom::comm::ReduceOp::kAvg})->wait();
+  return {average.item<double>(), norm};
+}
+
+// The 2-norm of every first gradient of the plain model.
+double norm_of(const std::map<std::string, at::Tensor>& gradients) {
+  double squares = 0;
+  for (const auto& [name, g] : gradients)
+    squares += g.to(torch::kDouble).square().sum().item<double>();
+  return std::sqrt(squares);
+}
+
+std::string name_of(Mode mode) { return loom::parallel::to_string(mode); }
+
+void check_staged_rank(Rank& r, Mode mode, const std::map<Optimizer, Trained>& expected) {
+  auto world = make_world(r);
+  DeviceMesh mesh(*world, {{"pp", 2}, {"dp", 2}, {"tp", 2}});
+  for (const auto& [which, reference] : expected) {
+    const std::string what = std::string(which == Optimizer::kSgd ? "SGD, " : "AdamW, ") +
+                             "pp2 x " + name_of(mode) + "2 x tp2 rank " + std::to_string(r.rank);
+    Gpt model = build({.tp = &mesh.group("tp")}, deep());
+    Trained actual;
+    Staged st;
+    actual.initial = copy_parameters(model);  // before keep_layers: the whole model's shards
+    st = stage_under(model, mesh, mode);
+    for (auto it = actual.initial.begin(); it != actual.initial.end();) {  // this stage's only
+      it = model->named_parameters().contains(it->first) ? std::next(it) : actual.initial.erase(it);
+    }
+    st.strategy->set_optimizer(loom_optimizer(which));
+    for (int step = 0; step < kSteps; ++step) {
+      const auto [loss, norm] = staged_step(model, st, mesh, step);
+      actual.losses.push_back(loss);
+      if (step == 0) {  // the whole model's norm: tp-sharded summed, replicated and tied once
+        expect_close_per_element(
+            torch::tensor({norm}, torch::kDouble),
+            torch::tensor({norm_of(reference.first_gradients)}, torch::kDouble),
+            what + ": the first step's gradient norm");
+      }
+    }
+    actual.final = strategy_parameters(model, *st.strategy);
+    expect_trains_like(reference, actual, model, &mesh.group("tp"), which, what, kComposedAdamRtol);
+  }
+}
+
+class GptStaged : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(GptStaged, PipelineOverStrategiesTrainsLikeThePlainModel) {
+  torch::set_num_threads(1);
+  const auto expected = composed_reference(2);
+  expect_all_ok(run_threads(8, [&](Rank& r) { check_staged_rank(r, GetParam(), expected); }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, GptStaged,
+                         ::testing::Values(Mode::kDdp, Mode::kZero2, Mode::kFsdp),
+                         [](const ::testing::TestParamInfo<Mode>& info) {
+                           return name_of(info.param);
+                         });
+
+TEST(GptStagedProcesses, PipelineOverFsdpTrainsLikeThePlainModel) {
+  expect_all_ok(run_processes(8, [&](Rank& r) {
+    torch::set_num_threads(1);
+    check_staged_rank(r, Mode::kFsdp, composed_reference(2));
+  }));
+}
+
+// A checkpoint of the whole training state saved at pp 2 x dp 2 x tp 2 (FSDP as dp, after 2
+// AdamW steps) loads at pp 1 x dp 2 x tp 1 (ZeRO-2) and at tp 4 (DDP), and saved again from
+// there, every tensor of both checkpoints read whole is bitwise the same; the parameters each
+// rank loaded are its shards of the saved ones, bitwise.
+std::map<std::string, at::Tensor> read_whole(const std::filesystem::path& dir) {
+  loom::comm::InMemoryStore store;
+  loom::ckpt::Checkpointer ckpt(store, {.dir = dir});
+  loom::ckpt::State whole;
+  for (const auto& t : loom::ckpt::describe_step(dir, 1).tensors) {
+    EXPECT_EQ(t.dtype, "float32") << t.name;
+    whole.add(t.name, torch::zeros(t.shape, torch::kFloat32));
+  }
+  ckpt.load(1, whole, {.leave_out = {"optim"}});
+  std::map<std::string, at::Tensor> out;
+  for (const auto& e : whole.tensors) out[e.name] = e.tensor;
+  return out;
+}
+
+struct Grid {
+  int pp, dp, tp;
+  Mode mode;
+};
+
+// Builds `grid`'s rank, saves (after `steps` AdamW steps) or loads its state at step 1 of `dir`.
+void save_or_load(Rank& r, const Grid& g, const std::filesystem::path& dir, bool save,
+                  const std::filesystem::path& save_again = {}) {
+  auto world = make_world(r);
+  DeviceMesh mesh(*world, {{"pp", g.pp}, {"dp", g.dp}, {"tp", g.tp}});
+  Gpt model = build({.tp = &mesh.group("tp")}, deep());
+  Staged st = stage_under(model, mesh, g.mode);
+  st.strategy->set_optimizer(loom_optimizer(Optimizer::kAdamW));
+  if (save) {
+    for (int step = 0; step < 2; ++step) staged_step(model, st, mesh, step);
+  }
+  loom::ckpt::Checkpointer ckpt(r.store, {.dir = dir, .rank = r.rank, .world_size = r.world});
+  loom::ckpt::State state;
+  st.strategy->add_state(state);
+  if (save) {
+    ckpt.save_sync(1, state);
+    return;
+  }
+  ckpt.load(1, state);
+  st.strategy->load_state(state);
+  loom::ckpt::Checkpointer again(r.store,
+                                 {.dir = save_again, .rank = r.rank, .world_size = r.world});
+  loom::ckpt::State out;
+  st.strategy->add_state(out);
+  again.save_sync(1, out);
+}
+TEST(GptStagedCheckpoint, SavedAtPp2Dp2Tp2LoadsAtDp2AndAtTp4Bitwise) {
+  torch::set_num_threads(1);
+  loom::testing::TempDir dir;
+  expect_all_ok(run_threads(8, [&](Rank& r) {
+    save_or_load(r, {2, 2, 2, Mode::kFsdp}, dir / "saved", /*save=*/true);
+  }));
+  const auto saved = read_whole(dir / "saved");
+  // Every parameter, its exp_avg and its exp_avg_sq (fp32: no master copy).
+  EXPECT_EQ(saved.size(), 3 * tp::sharded_parameters(*build({}, deep())).size());
+  const std::vector<std::pair<Grid, std::string>> grids = {{{1, 2, 1, Mode::kZero2}, "dp2"},
+                                                           {{1, 1, 4, Mode::kDdp}, "tp4"}};
+  for (const auto& [grid, name] : grids) {
+    SCOPED_TRACE(name);
+    expect_all_ok(run_threads(grid.pp * grid.dp * grid.tp, [&](Rank& r) {
+      save_or_load(r, grid, dir / "saved", /*save=*/false, dir / name);
+    }));
+    const auto again = read_whole(dir / name);
+    ASSERT_EQ(again.size(), saved.size());
+    for (const auto& [tensor, value] : saved) {
+      ASSERT_EQ(again.count(tensor), 1u) << tensor;
+      EXPECT_TRUE(again.at(tensor).equal(value)) << tensor;
+    }
+  }
 }
 
 // The whole model's gradient norm under pp x tp (tp::grad_norm, clip_grad_norm): equal to

@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <unordered_set>
 
@@ -23,6 +24,7 @@
 #include "loom/metrics/allocations.h"
 #include "optim/sum_of_squares.h"
 #include "parallel/optim_blob.h"
+#include "parallel/placement.h"
 #include "util/deadline.h"
 #include "util/dtype.h"
 
@@ -90,6 +92,9 @@ struct Param {
   std::shared_ptr<torch::autograd::Node> accumulator;  // kept alive so the hook stays on it
   uintptr_t hook_key = 0;
   bool ready = false;  // its gradient arrived in the current synced backward
+  // Under model parallelism (placement.h): its piece of the whole model's tensor, and whether
+  // this rank counts and writes it. Unset (replicated, primary) otherwise.
+  std::optional<internal::Placement> placement;
 };
 
 struct Bucket {
@@ -174,6 +179,10 @@ struct DataParallel::Impl {
        const DataParallelOptions& o)
       : module(std::move(m)), group(g), control(c), options(o), rank(g.rank()), world(g.size()) {}
 
+  bool model_parallel() const {
+    return options.model_parallel.active() || !options.model_parallel.tied.empty();
+  }
+
   at::TensorOptions on_device(at::ScalarType dtype) const {
     return at::TensorOptions().dtype(dtype).device(device);
   }
@@ -204,6 +213,8 @@ struct DataParallel::Impl {
   void collect_parameters() {
     std::unordered_set<const void*> seen;  // a parameter shared by two modules counts once
     std::string first;
+    std::map<std::string, internal::Placement> placed;
+    if (model_parallel()) placed = internal::placements(*module, options.model_parallel);
     for (const auto& item : module->named_parameters(/*recurse=*/true)) {
       const at::Tensor& t = item.value();
       if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
@@ -219,6 +230,7 @@ struct DataParallel::Impl {
       p.tensor = t;
       p.numel = t.numel();
       p.shape = t.sizes().vec();
+      if (const auto it = placed.find(p.name); it != placed.end()) p.placement = it->second;
       params.push_back(std::move(p));
     }
     for (const auto& item : module->named_buffers(/*recurse=*/true)) {
@@ -366,19 +378,7 @@ struct DataParallel::Impl {
       return;
     }
     Param& p = params[index];
-    const at::Tensor view = grad_view(p);
-    const at::Tensor& grad = p.tensor.grad();
-    if (!grad.defined() || !grad.is_same(view)) {
-      // Someone replaced .grad() (e.g. set it to none): accumulation then started afresh in a
-      // new tensor; move it back into the bucket.
-      torch::NoGradGuard no_grad;
-      if (grad.defined()) {
-        view.copy_(grad);
-      } else {
-        view.zero_();
-      }
-      p.tensor.mutable_grad() = view;
-    }
+    adopt_gradient(p);
     if (!sync) return;
     LOOM_CHECK(!p.ready, InvalidArgument, "DataParallel: parameter '", p.name,
                "' got a second gradient before finish_gradient_sync; run micro-steps of gradient "
@@ -387,6 +387,46 @@ struct DataParallel::Impl {
     ++arrived;
     --buckets[p.bucket].pending;
     if (options.overlap) launch_ready_buckets(/*during_backward=*/true);
+  }
+
+  // kNone/kOne: makes p's .grad() its view of the bucket again. Someone may have replaced it
+  // (e.g. set it to none): accumulation then started afresh in a new tensor; it moves back in.
+  void adopt_gradient(Param& p) {
+    const at::Tensor view = grad_view(p);
+    const at::Tensor& grad = p.tensor.grad();
+    if (grad.defined() && grad.is_same(view)) return;
+    torch::NoGradGuard no_grad;
+    if (grad.defined()) {
+      view.copy_(grad);
+    } else {
+      view.zero_();
+    }
+    p.tensor.mutable_grad() = view;
+  }
+
+  void reduce_accumulated_gradients() {
+    torch::NoGradGuard no_grad;
+    std::vector<std::pair<at::Tensor, comm::Group*>> tied;
+    for (Param& p : params) {
+      if (!sharded_gradients()) adopt_gradient(p);
+      if (p.placement && p.placement->tied != nullptr) {
+        if (!p.tensor.grad().defined()) p.tensor.mutable_grad() = at::zeros_like(p.tensor);
+        tied.emplace_back(p.tensor.grad(), p.placement->tied);
+      }
+    }
+    internal::sum_tied_gradients(tied, options.timeout);
+    sync = true;
+    for (Param& p : params) {
+      LOOM_CHECK(!p.ready, InvalidArgument,
+                 "DataParallel::reduce_accumulated_gradients: parameter '", p.name,
+                 "' already got its gradient in a synced backward; run the backwards "
+                 "under no_sync()");
+      if (sharded_gradients()) stage_gradient(p);
+      p.ready = true;
+      ++arrived;
+      --buckets[p.bucket].pending;
+    }
+    launch_ready_buckets(/*during_backward=*/false);
   }
 
   // kTwo: outside a synced backward the gradient stays in .grad() (allocated by autograd, as
@@ -567,13 +607,26 @@ struct DataParallel::Impl {
     slices.reserve(buckets.size());
     for (Bucket& bucket : buckets) {
       const int64_t chunk = bucket.padded / world;
-      slices.push_back(options.zero_stage == ZeroStage::kTwo
-                           ? bucket.grad_shard
-                           : bucket.grad.narrow(0, rank * chunk, chunk));
+      at::Tensor slice = options.zero_stage == ZeroStage::kTwo
+                             ? bucket.grad_shard
+                             : bucket.grad.narrow(0, rank * chunk, chunk);
+      if (!model_parallel()) {
+        slices.push_back(slice);
+        continue;
+      }
+      // Only the parameters this rank counts (placement.h), each one's part of the slice.
+      for (int i : bucket.params) {
+        const Param& p = params[i];
+        const int64_t lo = std::max(rank * chunk, p.offset);
+        const int64_t hi = std::min((rank + 1) * chunk, p.offset + p.numel);
+        if (lo < hi && p.placement->primary)
+          slices.push_back(slice.narrow(0, lo - rank * chunk, hi - lo));
+      }
     }
-    at::Tensor total = buckets.empty() ? at::zeros({1}, on_device(at::kDouble))
-                                       : optim::internal::sum_of_squares(slices);
+    at::Tensor total = slices.empty() ? at::zeros({1}, on_device(at::kDouble))
+                                      : optim::internal::sum_of_squares(slices);
     group.all_reduce(total, {comm::ReduceOp::kSum, options.timeout})->wait(options.timeout);
+    if (model_parallel()) internal::sum_over_model(total, options.model_parallel, options.timeout);
     // The one host read of clipping, and unavoidable: the caller gets the norm (to log it and
     // to decide about a non-finite one) and the coefficient is computed from it as torch does.
     // On CUDA it waits for the all-reduce, which finish_gradient_sync has already waited for.
@@ -671,10 +724,23 @@ struct DataParallel::Impl {
   // --- checkpoint state ---------------------------------------------------------------------
 
   // Calls fn(name, tensor, sharding) for every tensor add_state describes.
+  // What a tensor replicated over the data-parallel ranks is: the whole parameter, or its piece of
+  // the whole model's (written by data-parallel rank 0 of the rank that writes the piece).
+  ckpt::Sharding whole(const Param& p) const {
+    if (!p.placement) return ckpt::Sharding::replicated();
+    ckpt::Sharding piece = p.placement->piece;
+    piece.written = p.placement->primary && rank == 0;
+    return piece;
+  }
+  // Elements [lo, hi) of p (a ZeRO slice).
+  ckpt::Sharding part(const Param& p, int64_t lo, int64_t hi) const {
+    return p.placement ? p.placement->piece.part(lo, hi) : ckpt::Sharding::flat(p.shape, lo, hi);
+  }
+
   template <typename Fn>
   void for_each_state_tensor(Fn&& fn) {
     const bool replicated = options.zero_stage == ZeroStage::kNone;
-    for (Param& p : params) fn("model/" + p.name, p.tensor.detach(), ckpt::Sharding::replicated());
+    for (Param& p : params) fn("model/" + p.name, p.tensor.detach(), whole(p));
     const std::vector<std::string> names =
         optimizer ? optimizer->state_names() : std::vector<std::string>{};
     for (Param& p : params) {
@@ -685,14 +751,14 @@ struct DataParallel::Impl {
         if (lo >= hi) {  // this rank owns none of p: an empty piece, so that every rank
                          // describes (and a strict load asks for) every tensor
           const int64_t at = std::clamp<int64_t>(bucket.shard_begin - p.offset, 0, p.numel);
-          fn(name, at::empty({0}, shard_tensor.options()), ckpt::Sharding::flat(p.shape, at, at));
+          fn(name, at::empty({0}, shard_tensor.options()), part(p, at, at));
           return;
         }
         const at::Tensor piece = shard_tensor.narrow(0, lo - bucket.shard_begin, hi - lo);
         if (replicated) {
-          fn(name, piece.view(p.shape), ckpt::Sharding::replicated());
+          fn(name, piece.view(p.shape), whole(p));
         } else {
-          fn(name, piece, ckpt::Sharding::flat(p.shape, lo - p.offset, hi - p.offset));
+          fn(name, piece, part(p, lo - p.offset, hi - p.offset));
         }
       };
       for (size_t i = 0; i < names.size() && i < bucket.state.size(); ++i) {
@@ -829,6 +895,7 @@ DataParallel::NoSync::NoSync(DataParallel& dp) : dp_(dp), previous_(dp.sync()) {
 DataParallel::NoSync::~NoSync() { dp_.set_sync(previous_); }
 
 void DataParallel::finish_gradient_sync() { impl_->finish_gradient_sync(); }
+void DataParallel::reduce_accumulated_gradients() { impl_->reduce_accumulated_gradients(); }
 const SyncStats& DataParallel::last_sync_stats() const { return impl_->stats; }
 
 void DataParallel::zero_grad() {

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 
@@ -24,6 +25,7 @@
 #include "loom/metrics/allocations.h"
 #include "optim/sum_of_squares.h"
 #include "parallel/optim_blob.h"
+#include "parallel/placement.h"
 #include "util/deadline.h"
 #include "util/dtype.h"
 
@@ -199,6 +201,9 @@ struct Param {
   std::shared_ptr<torch::autograd::Node> accumulator;  // kept alive so the hook stays on it
   uintptr_t hook_key = 0;
   bool arrived = false;  // its gradient arrived in the unit's current backward
+  // Under model parallelism (placement.h): its piece of the whole model's tensor, and whether
+  // this rank counts and writes it. Unset otherwise.
+  std::optional<internal::Placement> placement;
 };
 
 enum class Gathered { kNo, kInFlight, kYes };
@@ -379,9 +384,15 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     }
   }
 
+  bool model_parallel() const {
+    return options.model_parallel.active() || !options.model_parallel.tied.empty();
+  }
+
   void collect_parameters() {
     std::unordered_map<const void*, std::pair<int, std::string>> owner;  // impl -> unit, name
     std::string first;
+    std::map<std::string, internal::Placement> placed;
+    if (model_parallel()) placed = internal::placements(*module, options.model_parallel);
     for (const auto& item : module->named_parameters(/*recurse=*/true)) {
       const at::Tensor& t = item.value();
       if (!t.requires_grad()) continue;
@@ -410,6 +421,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       p.numel = t.numel();
       p.shape = t.sizes().vec();
       p.unit = u;
+      if (const auto it = placed.find(p.name); it != placed.end()) p.placement = it->second;
       params.push_back(std::move(p));
     }
     // Units without (trainable) parameters are dropped: their modules run unhooked. The root
@@ -892,6 +904,32 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     }
   }
 
+  void reduce_accumulated_gradients() {
+    torch::NoGradGuard no_grad;
+    std::vector<std::pair<at::Tensor, comm::Group*>> tied;
+    for (const Param& p : params) {
+      if (!p.placement || p.placement->tied == nullptr) continue;
+      const Unit& unit = units[p.unit];
+      LOOM_CHECK(unit.full_grad.defined(), InvalidArgument, "FSDP on rank ", rank,
+                 ": the tied parameter '", p.name,
+                 "' got no gradient before "
+                 "reduce_accumulated_gradients");
+      tied.emplace_back(grad_view(unit, p), p.placement->tied);
+    }
+    internal::sum_tied_gradients(tied, options.timeout);
+    sync = true;
+    for (int u : reduce_order) {
+      Unit& unit = units[u];
+      LOOM_CHECK(unit.full_grad.defined() && !unit.in_backward, InvalidArgument, "FSDP on rank ",
+                 rank, ": ", describe_unit(u),
+                 " has no complete accumulated gradient; run every "
+                 "backward under no_sync() before reduce_accumulated_gradients");
+      unit.ready_to_reduce = true;
+    }
+    any_gradient = any_gradient || !units.empty();
+    launch_ready_reductions(/*during_backward=*/false);
+  }
+
   void reset_sync_window() {
     for (Unit& unit : units) unit.ready_to_reduce = false;
     next_reduce = 0;
@@ -915,10 +953,24 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
   double clip_grad_norm(double max_norm) {
     torch::NoGradGuard no_grad;
     std::vector<at::Tensor> shards;
-    for (Unit& unit : units) shards.push_back(unit.grad_shard);
+    for (Unit& unit : units) {
+      if (!model_parallel()) {
+        shards.push_back(unit.grad_shard);
+        continue;
+      }
+      // Only the parameters this rank counts (placement.h), each one's part of the shard.
+      for (int i : unit.params) {
+        const Param& p = params[i];
+        const int64_t lo = std::max(unit.shard_begin, p.offset);
+        const int64_t hi = std::min(unit.shard_end, p.offset + p.numel);
+        if (lo < hi && p.placement->primary)
+          shards.push_back(unit.grad_shard.narrow(0, lo - unit.shard_begin, hi - lo));
+      }
+    }
     at::Tensor total = shards.empty() ? at::zeros({1}, on_device(at::kDouble))
                                       : optim::internal::sum_of_squares(shards);
     group.all_reduce(total, {comm::ReduceOp::kSum, options.timeout})->wait(options.timeout);
+    if (model_parallel()) internal::sum_over_model(total, options.model_parallel, options.timeout);
     const double norm = std::sqrt(total.item<double>());
     // As torch::nn::utils::clip_grad_norm_ and DataParallel: the coefficient in float.
     const double coefficient = std::min(
@@ -1021,6 +1073,11 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
 
   // --- checkpoint state -----------------------------------------------------------------------
 
+  // Elements [lo, hi) of p: of the whole parameter, or of its piece of the whole model's.
+  static ckpt::Sharding part(const Param& p, int64_t lo, int64_t hi) {
+    return p.placement ? p.placement->piece.part(lo, hi) : ckpt::Sharding::flat(p.shape, lo, hi);
+  }
+
   template <typename Fn>
   void for_each_state_tensor(Fn&& fn) {
     const std::vector<std::string> names =
@@ -1037,11 +1094,11 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
                         int64_t hi, const at::Tensor& shard_tensor) {
       if (lo >= hi) {  // this rank owns none of p: an empty piece, as DataParallel
         const int64_t at = std::clamp<int64_t>(unit.shard_begin - p.offset, 0, p.numel);
-        fn(name, at::empty({0}, shard_tensor.options()), ckpt::Sharding::flat(p.shape, at, at));
+        fn(name, at::empty({0}, shard_tensor.options()), part(p, at, at));
         return;
       }
       fn(name, shard_tensor.narrow(0, lo - unit.shard_begin, hi - lo),
-         ckpt::Sharding::flat(p.shape, lo - p.offset, hi - p.offset));
+         part(p, lo - p.offset, hi - p.offset));
     };
     for_each_piece([&](const Param& p, const Unit& unit, int64_t lo, int64_t hi) {
       piece_of("model/" + p.name, p, unit, lo, hi, unit.shard);
@@ -1225,6 +1282,9 @@ FullyShardedDataParallel::NoSync::NoSync(FullyShardedDataParallel& fsdp)
 FullyShardedDataParallel::NoSync::~NoSync() { fsdp_.set_sync(previous_); }
 
 void FullyShardedDataParallel::finish_gradient_sync() { impl_->finish_gradient_sync(); }
+void FullyShardedDataParallel::reduce_accumulated_gradients() {
+  impl_->reduce_accumulated_gradients();
+}
 void FullyShardedDataParallel::zero_grad() { impl_->zero_grad(); }
 double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
   return impl_->clip_grad_norm(max_norm);

@@ -42,13 +42,15 @@ Mode mode_from(const Config& config) {
 
 std::unique_ptr<Strategy> make_strategy(std::shared_ptr<torch::nn::Module> module,
                                         comm::Group& group, comm::Group& control,
-                                        const Config& config) {
+                                        const Config& config, const ModelParallel& model_parallel) {
   if (mode_from(config) == Mode::kFsdp) {
-    return std::make_unique<FullyShardedDataParallel>(std::move(module), group,
-                                                      FsdpOptions::from(config));
+    FsdpOptions options = FsdpOptions::from(config);
+    options.model_parallel = model_parallel;
+    return std::make_unique<FullyShardedDataParallel>(std::move(module), group, options);
   }
-  return std::make_unique<DataParallel>(std::move(module), group, control,
-                                        DataParallelOptions::from(config));
+  DataParallelOptions options = DataParallelOptions::from(config);
+  options.model_parallel = model_parallel;
+  return std::make_unique<DataParallel>(std::move(module), group, control, options);
 }
 
 }  // namespace loom::parallel

@@ -234,6 +234,30 @@ std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
   return shape;
 }
 
+ckpt::Sharding checkpoint_piece(const at::Tensor& local, const ShardSpec& spec,
+                                const comm::Group* group) {
+  const std::vector<int64_t> whole = full_shape(local, spec, group);
+  if (spec.replicated() || size_of(group) == 1) {
+    return ckpt::Sharding::block(whole, std::vector<int64_t>(whole.size(), 0), whole);
+  }
+  // The view splits dim d into [partitions, section]; this rank's rows of every section.
+  const auto d = static_cast<size_t>(spec.dim);
+  std::vector<int64_t> view, offsets, sizes;
+  for (size_t i = 0; i < whole.size(); ++i) {
+    if (i != d) {
+      view.push_back(whole[i]);
+      offsets.push_back(0);
+      sizes.push_back(whole[i]);
+      continue;
+    }
+    const int64_t piece = local.size(spec.dim) / spec.partitions;
+    view.insert(view.end(), {spec.partitions, whole[i] / spec.partitions});
+    offsets.insert(offsets.end(), {0, piece * group->rank()});
+    sizes.insert(sizes.end(), {spec.partitions, piece});
+  }
+  return ckpt::Sharding::block(whole, std::move(offsets), std::move(sizes), std::move(view));
+}
+
 double grad_norm(const std::vector<ShardedParameter>& params, comm::Group* tp, comm::Group* pp,
                  milliseconds timeout) {
   // [sharded, replicated] sums of squares, in double, on the gradients' device (a device

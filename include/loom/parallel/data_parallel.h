@@ -86,6 +86,9 @@ struct LOOM_API DataParallelOptions {
   // embedding) is staged alone. 0: no limit. Gradient bytes per rank are then about padded/W +
   // max(this many buckets, the largest bucket).
   int max_staging_buckets = 2;
+  // Tensor and pipeline parallelism around this data parallelism (strategy.h): checkpoints of
+  // the whole model's pieces, the whole model's gradient norm, tied parameters' gradients.
+  ModelParallel model_parallel;
 
   // The config keys: parallel.bucket_mb (bucket_bytes in MiB), parallel.find_unused_parameters.
   static ConfigSchema schema();
@@ -150,6 +153,9 @@ class LOOM_API DataParallel final : public Strategy {
   // InvalidArgument when no gradient arrived since the last sync, or a parameter got none
   // (unless find_unused_parameters). A no-op while sync is off.
   void finish_gradient_sync() override;
+  // After backwards under no_sync: sums tied parameters' gradients (ModelParallel::tied) and
+  // launches every bucket's reduction; finish_gradient_sync waits for them (strategy.h).
+  void reduce_accumulated_gradients() override;
   const SyncStats& last_sync_stats() const;
 
   // Zeroes every gradient (the bucket buffers). Call before the first micro-step of a step.
@@ -179,8 +185,10 @@ class LOOM_API DataParallel final : public Strategy {
   // "optim/<param>/<state name>" and "optim/<param>/master" (fp32), each with Sharding::flat
   // over the part of the parameter's elements this rank owns (Sharding::replicated for kNone),
   // and the blob "optim" (optimizer, step). Names do not depend on the world size or the bucket
-  // size. Because the tensors are views, a checkpointer may also fill them in place; then call
-  // load_state with the same State.
+  // size. Under model parallelism (options().model_parallel) each is described as its piece of
+  // the whole model's tensor (tp::checkpoint_piece, then Sharding::part for this rank's slice).
+  // Because the tensors are views, a checkpointer may also fill them in place; then call load_state
+  // with the same State.
   void add_state(ckpt::State& state) override;
   // Loads what add_state describes from `state` (entries found by name and range, possibly
   // saved at another world size and re-sliced) and re-synchronises the parameters. Collective.

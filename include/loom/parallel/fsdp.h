@@ -187,6 +187,9 @@ struct LOOM_API FsdpOptions {
   bool offload_optimizer_state = false;
   // Deadline of every wait: construction's checks, gathers, reduce-scatters, clip, step, load.
   std::chrono::milliseconds timeout = comm::kDefaultCollectiveTimeout;
+  // Tensor and pipeline parallelism around FSDP (strategy.h): checkpoints of the whole model's
+  // pieces, the whole model's gradient norm, tied parameters' gradients.
+  ModelParallel model_parallel;
 
   // The config keys: parallel.reshard_after_forward, parallel.reduce_dtype ("" for the
   // parameters' dtype, or fp32), parallel.param_dtype ("" or bf16),
@@ -262,6 +265,9 @@ class LOOM_API FullyShardedDataParallel final : public Strategy, private detail:
   // parameters; InvalidArgument when no gradient arrived, or a parameter got none. A no-op while
   // sync is off.
   void finish_gradient_sync() override;
+  // After backwards under no_sync: sums tied parameters' gradients (ModelParallel::tied) and
+  // launches every unit's reduce-scatter; finish_gradient_sync waits for them (strategy.h).
+  void reduce_accumulated_gradients() override;
   // Zeroes the gradient shards and drops gradients accumulated under no_sync.
   void zero_grad() override;
   // As DataParallel::clip_grad_norm (torch::nn::utils::clip_grad_norm_'s formula) over the

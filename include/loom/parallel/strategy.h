@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "loom/comm/group.h"
 #include "loom/config.h"
@@ -33,6 +34,33 @@ struct State;
 
 namespace loom::parallel {
 
+// Model parallelism around a data-parallel strategy: its module's parameters are this rank's
+// pieces of a model split by tensor parallelism over `tp` (tp::shard_spec says how each is
+// split) and into pipeline stages over `pp` (the module holds only this stage's parameters,
+// under the whole model's names). Given to DataParallelOptions / FsdpOptions, it makes
+//   - checkpoints describe each parameter (and its optimizer state) as its piece of the whole
+//     model's tensor (tp::checkpoint_piece), written by one rank of the model-parallel ranks
+//     holding it, so that a checkpoint loads under any (pp, dp, tp) layout and without model
+//     parallelism at all;
+//   - clip_grad_norm the whole model's norm: sharded gradients' squares summed over tp,
+//     replicated ones counted once, every stage's summed over pp;
+//   - reduce_accumulated_gradients first sum the gradients of `tied` parameters over their
+//     group (a token embedding used on the first and the last stage).
+// docs/parallel.md, "The Trainer over a mesh". All groups must outlive the strategy.
+struct ModelParallel {
+  comm::Group* tp = nullptr;  // null or one rank: no tensor parallelism
+  comm::Group* pp = nullptr;  // null or one rank: no pipeline
+  struct Tied {
+    std::string name;    // the parameter, as the module names it
+    comm::Group* group;  // the ranks holding it (this one included); its rank 0 counts it
+  };
+  std::vector<Tied> tied;
+
+  bool active() const {
+    return (tp != nullptr && tp->size() > 1) || (pp != nullptr && pp->size() > 1);
+  }
+};
+
 class LOOM_API Strategy {
  public:
   virtual ~Strategy() = default;
@@ -46,6 +74,11 @@ class LOOM_API Strategy {
   virtual void zero_grad() = 0;
   // Waits for the gradient reductions of the last synced backward.
   virtual void finish_gradient_sync() = 0;
+  // For models that run their own micro-batches (a pipeline schedule): after backwards run
+  // without sync, sums tied parameters' gradients over their groups (ModelParallel::tied) and
+  // starts the reduction of every accumulated gradient over the data-parallel ranks, as a
+  // synced backward would have; finish_gradient_sync then waits for it. Collective.
+  virtual void reduce_accumulated_gradients() = 0;
   // Multiplies the reduced gradients by factor (unscaling after loss scaling); no host read.
   virtual void scale_gradients(double factor) = 0;
   // torch::nn::utils::clip_grad_norm_'s formula over every rank's gradients; returns the norm
@@ -85,6 +118,7 @@ LOOM_API Mode mode_from(const Config& config);
 // `group`).
 LOOM_API std::unique_ptr<Strategy> make_strategy(std::shared_ptr<torch::nn::Module> module,
                                                  comm::Group& group, comm::Group& control,
-                                                 const Config& config);
+                                                 const Config& config,
+                                                 const ModelParallel& model_parallel = {});
 
 }  // namespace loom::parallel

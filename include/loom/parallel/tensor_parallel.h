@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cstdint>
 
+#include "loom/ckpt/state.h"
 #include "loom/comm/group.h"
 #include "loom/visibility.h"
 
@@ -90,6 +91,12 @@ struct ShardedParameter {
 LOOM_API std::vector<ShardedParameter> sharded_parameters(const torch::nn::Module& root);
 // The shape of the whole tensor of which `local` is this rank's piece under `spec`.
 LOOM_API std::vector<int64_t> full_shape(const at::Tensor& local, const ShardSpec& spec,
+                                         const comm::Group* group);
+
+// This rank's `local` piece under `spec` as a checkpoint piece of the whole tensor
+// (loom/ckpt/state.h): a block along spec.dim, each partition's section separated by the view,
+// or the whole tensor when replicated (Sharding::block either way; `written` left true).
+LOOM_API ckpt::Sharding checkpoint_piece(const at::Tensor& local, const ShardSpec& spec,
                                          const comm::Group* group);
 
 // The 2-norm of the gradients of a model split by tensor parallelism over `tp` and, with `pp`,
