@@ -1,6 +1,6 @@
 // What bench_train's modes share (main.cpp says what each mode measures): the settings from
 // the command line, a small GPT, worker processes one per rank, and the rows it prints.
-// Each mode is a file: ddp.cpp, trainer.cpp, sharding.cpp, pipeline.cpp.
+// Each mode is a file: ddp.cpp, trainer.cpp, sharding.cpp, pipeline.cpp, model_parallel.cpp.
 #pragma once
 
 #include <torch/torch.h>
@@ -143,5 +143,7 @@ int run_trace_parent(Settings s, const std::string& self);
 void run_sharding_worker(const Settings& s);
 int run_sharding_parent(Settings s, const std::string& self, const std::vector<int>& worlds);
 int run_pipeline(const Settings& s);
+void run_model_parallel_worker(const Settings& s);
+int run_model_parallel_parent(Settings s, const std::string& self);
 
 }  // namespace bench_train
