@@ -329,13 +329,15 @@ void run_model_parallel_worker(const Settings& s) {
     if (world->rank() == 0) parameters = parts[0]->parameter_count();
     auto ms_of = ms.accessor<double, 2>();
     auto bubble_of = bubble.accessor<double, 2>();
+    // Each round starts one split later, so that no split always follows the 8-process one.
     for (int64_t round = 0; round < rounds; ++round) {
-      for (size_t i = 0; i < all.size(); ++i) {
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t c = (round + k) % n;
         world->barrier()->wait();
-        if (parts[i] == nullptr) continue;
-        const int64_t c = static_cast<int64_t>(i);
-        ms_of[c][round] = parts[i]->step(s, static_cast<int>(round));
-        if (const auto* stats = parts[i]->pipeline_stats()) bubble_of[c][round] = stats->bubble();
+        if (parts[static_cast<size_t>(c)] == nullptr) continue;
+        SplitRank& part = *parts[static_cast<size_t>(c)];
+        ms_of[c][round] = part.step(s, static_cast<int>(round));
+        if (const auto* stats = part.pipeline_stats()) bubble_of[c][round] = stats->bubble();
       }
     }
     world->barrier()->wait();
