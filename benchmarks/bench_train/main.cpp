@@ -82,8 +82,8 @@ void use_trainer_defaults(Settings& s, const CLI::App& app) {
 }
 
 // --mode=model-parallel's model: whole heads and vocabulary rows at tp = 4, a block per virtual
-// stage at pp = 4 with 2 chunks, a micro-batch of one sequence; the mode in about 2 minutes on
-// the 2-core benchmark machine.
+// stage at pp = 4 with 2 chunks, a micro-batch of one sequence; the mode in 1-2 minutes on the
+// 2-core benchmark machine.
 void use_model_parallel_defaults(Settings& s, const CLI::App& app) {
   fallback(app, "--vocab", s.vocab, int64_t{1024});
   fallback(app, "--dim", s.dim, int64_t{128});
