@@ -1,10 +1,11 @@
 // What bench_train's modes share (main.cpp says what each mode measures): the settings from
 // the command line, a small GPT, worker processes one per rank, and the rows it prints.
-// Each mode is a file: ddp.cpp, trainer.cpp, sharding.cpp, pipeline.cpp.
+// Each mode is a file: ddp.cpp, trainer.cpp, sharding.cpp, pipeline.cpp, model_parallel.cpp.
 #pragma once
 
 #include <torch/torch.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "bench_report.h"
+#include "loom/metrics/allocations.h"
 
 namespace bench_train {
 
@@ -106,6 +108,17 @@ double median(std::vector<double> v);
 double ms_since(Clock::time_point start);
 // One row: a line of the table, or a JSON object with --json.
 void emit(const Settings& s, loom::bench::Row row);
+// The table's column names, under its title (without --json).
+void emit_columns();
+
+// Bytes by memory category (metrics/allocations.h), indexed by MemoryCategory.
+using PeakBytes = std::array<int64_t, loom::metrics::kMemoryCategories>;
+// Each category's peak since the last reset_cpu_allocation_peaks(), above what was live at
+// `before`.
+PeakBytes peak_bytes_since(const loom::metrics::CpuAllocations& before);
+inline int64_t bytes_of(const PeakBytes& bytes, loom::metrics::MemoryCategory category) {
+  return bytes[static_cast<size_t>(category)];
+}
 
 // --- worker processes ----------------------------------------------------------------------------
 
@@ -130,5 +143,7 @@ int run_trace_parent(Settings s, const std::string& self);
 void run_sharding_worker(const Settings& s);
 int run_sharding_parent(Settings s, const std::string& self, const std::vector<int>& worlds);
 int run_pipeline(const Settings& s);
+void run_model_parallel_worker(const Settings& s);
+int run_model_parallel_parent(Settings s, const std::string& self);
 
 }  // namespace bench_train

@@ -56,6 +56,20 @@ void emit(const Settings& s, loom::bench::Row row) {
   std::fflush(stdout);
 }
 
+void emit_columns() {
+  std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
+              "unit", "ratio");
+}
+
+PeakBytes peak_bytes_since(const loom::metrics::CpuAllocations& before) {
+  const loom::metrics::CpuAllocations now = loom::metrics::cpu_allocations();
+  PeakBytes peak{};
+  for (size_t k = 0; k < peak.size(); ++k) {
+    peak[k] = now.by_category[k].peak_bytes - before.by_category[k].live_bytes;
+  }
+  return peak;
+}
+
 // The command line of rank r's worker process.
 std::vector<std::string> worker_argv(const Settings& s, const std::string& self, int rank,
                                      const std::filesystem::path& dir) {
@@ -74,7 +88,8 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& self,
                                    "--warmup=" + std::to_string(s.warmup),
                                    "--threads=" + std::to_string(s.threads),
                                    "--bucket-mib=" + std::to_string(s.bucket_mib),
-                                   "--zero2-bucket-mib=" + std::to_string(s.zero2_bucket_mib)};
+                                   "--zero2-bucket-mib=" + std::to_string(s.zero2_bucket_mib),
+                                   "--micro-batches=" + std::to_string(s.micro_batches)};
   // An empty "--dataset=" would make CLI11 take the next argument as its value.
   if (!s.dataset.empty()) argv.push_back("--dataset=" + s.dataset);
   if (!s.baton.empty()) argv.push_back("--baton=" + s.baton);

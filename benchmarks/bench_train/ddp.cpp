@@ -184,8 +184,7 @@ void run_ddp_worker(const Settings& s) {
         "buckets of %.3g MiB, median of %d interleaved rounds\n",
         params_m, (long long)s.layers, (long long)s.dim, (long long)s.vocab, (long long)s.batch,
         (long long)s.seq, s.ranks, s.threads, s.bucket_mib, s.steps);
-    std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
-                "unit", "ratio");
+    emit_columns();
   }
   const std::string baseline_name = "allreduce_after_backward";
   auto time_row = [&](const std::string& name, const CaseResult& r) {

@@ -112,8 +112,7 @@ int run_pipeline(const Settings& s) {
         "waits), %d measured rounds after %d warm-up, cases interleaved; bubble: the mean over "
         "ranks of 1 - compute / step, median of the rounds\n",
         p, m, s.forward_ms, 2 * s.forward_ms, s.steps, s.warmup);
-    std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
-                "unit", "ratio");
+    emit_columns();
   }
   std::vector<double> measured(cases.size());
   for (size_t c = 0; c < cases.size(); ++c) {

@@ -111,7 +111,6 @@ const loom::parallel::FsdpStats* fsdp_stats(const ShardedModel& m) {
 // Peak bytes by category above what was live before, counted from the allocations: over the
 // construction and wrapping of the model (`built`), and over two steps after it (`steps`, the
 // steady state: what training needs once the model is sharded).
-using PeakBytes = std::array<int64_t, loom::metrics::kMemoryCategories>;
 struct Peaks {
   PeakBytes built{};
   PeakBytes steps{};
@@ -119,22 +118,14 @@ struct Peaks {
 
 Peaks measure_peak_bytes(const Settings& s, const ShardingCase& c, loom::comm::Group& group) {
   const loom::metrics::CpuAllocations before = loom::metrics::cpu_allocations();
-  auto peaks_since_reset = [&] {
-    const loom::metrics::CpuAllocations now = loom::metrics::cpu_allocations();
-    PeakBytes peak{};
-    for (int k = 0; k < loom::metrics::kMemoryCategories; ++k) {
-      peak[k] = now.by_category[k].peak_bytes - before.by_category[k].live_bytes;
-    }
-    return peak;
-  };
   Peaks peaks;
   loom::metrics::reset_cpu_allocation_peaks();
   {
     ShardedModel m = make_sharded(s, c, group);
-    peaks.built = peaks_since_reset();
+    peaks.built = peak_bytes_since(before);
     loom::metrics::reset_cpu_allocation_peaks();
     for (int i = 0; i < 2; ++i) sharded_step(m, s, group.rank(), i);
-    peaks.steps = peaks_since_reset();
+    peaks.steps = peak_bytes_since(before);
     group.barrier()->wait();
   }
   return peaks;
@@ -192,8 +183,7 @@ void run_sharding_worker(const Settings& s) {
         "wrapping the model), from its allocations\n",
         params / 1e6, (long long)s.layers, (long long)s.dim, (long long)s.vocab, (long long)s.batch,
         (long long)s.seq, s.ranks, s.threads, s.bucket_mib, s.zero2_bucket_mib, s.steps, s.warmup);
-    std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
-                "unit", "ratio");
+    emit_columns();
   }
   const double ddp_ms = median(times[0].warm_ms);
   for (size_t i = 0; i < timed.size(); ++i) {
@@ -243,9 +233,8 @@ void run_sharding_worker(const Settings& s) {
   // model_state: the sum of the parameter, gradient and optimizer-state peaks (an upper bound
   // of their joint peak).
   auto model_state = [](const PeakBytes& p) {
-    return p[static_cast<int>(MemoryCategory::kParameters)] +
-           p[static_cast<int>(MemoryCategory::kGradients)] +
-           p[static_cast<int>(MemoryCategory::kOptimizerState)];
+    return bytes_of(p, MemoryCategory::kParameters) + bytes_of(p, MemoryCategory::kGradients) +
+           bytes_of(p, MemoryCategory::kOptimizerState);
   };
   for (size_t i = 0; i < measured.size(); ++i) {
     auto bytes_row = [&](const std::string& what, int64_t loom, int64_t baseline) {
@@ -262,8 +251,8 @@ void run_sharding_worker(const Settings& s) {
     const PeakBytes& ddp = peaks[0].steps;
     for (MemoryCategory k : {MemoryCategory::kParameters, MemoryCategory::kGradients,
                              MemoryCategory::kOptimizerState, MemoryCategory::kActivations}) {
-      bytes_row(std::string("peak_bytes/") + loom::metrics::to_string(k), p[static_cast<int>(k)],
-                ddp[static_cast<int>(k)]);
+      bytes_row(std::string("peak_bytes/") + loom::metrics::to_string(k), bytes_of(p, k),
+                bytes_of(ddp, k));
     }
     bytes_row("peak_bytes/model_state", model_state(p), model_state(ddp));
     bytes_row("peak_bytes_building/model_state", model_state(peaks[i].built),

@@ -513,8 +513,7 @@ int run_trainer_parent(Settings s, const std::string& self) {
         "ranks one of Python DDP, in turn, on the same batches\n",
         params_m, (long long)s.layers, (long long)s.dim, (long long)s.vocab, (long long)s.batch,
         (long long)s.seq, s.threads, s.steps, s.warmup);
-    std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
-                "unit", "ratio");
+    emit_columns();
   }
   // ratio: the baseline's median step / the Trainer's; median_round_ratio: the median of the
   // same ratio taken round by round; spread: (max - min) / median over the rounds.
@@ -700,8 +699,7 @@ int run_trace_parent(Settings s, const std::string& self) {
         "(metrics.trace_steps), 1 that writes the trace file as it begins, %d untraced; "
         "medians per kind of step\n",
         params_m, s.ranks, s.threads, s.steps, kCycle, s.warmup, kTraced, kCycle - kTraced - 1);
-    std::printf("%-30s %12s %12s  %-36s %-6s %8s\n", "case", "loom", "baseline", "baseline_name",
-                "unit", "ratio");
+    emit_columns();
   }
   const std::filesystem::path run = dir / "run";
   if (!run_ranks(s, self, run)) {
