@@ -11,6 +11,8 @@
 #include <iostream>
 #include <mutex>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "control/heartbeat.h"
 #include "data/run_readers.h"
@@ -25,6 +27,7 @@
 #include "loom/error.h"
 #include "loom/metrics/logger.h"
 #include "loom/parallel/mesh.h"
+#include "loom/parallel/pipeline.h"
 #include "loom/version.h"
 #include "metrics/activity.h"
 #include "metrics/stacks.h"
@@ -226,6 +229,7 @@ ConfigSchema Runtime::schema() {
         "CPU collectives through shared memory when every rank is on one host (false: loopback "
         "TCP)");
   s.merge(parallel::mesh_schema());
+  s.merge(parallel::pipeline_schema());
   return s;
 }
 
@@ -463,10 +467,24 @@ void Runtime::report_step(const metrics::StepMetrics& m) const {
       "training");
 }
 
+namespace {
+
+// Under model parallelism (parallel.pp or parallel.tp above 1) the data is sharded over the
+// mesh's dp dimension only: the tensor- and pipeline-parallel ranks of one replica read the same
+// batches. Otherwise over every rank.
+std::pair<int, int> data_shard(const Runtime& rt) {
+  const Config& c = rt.config();
+  if (c.get<int64_t>("parallel.pp") == 1 && c.get<int64_t>("parallel.tp") == 1)
+    return {rt.rank(), rt.world_size()};
+  const parallel::DeviceMesh& mesh = rt.mesh();
+  return {mesh.coordinate("dp"), mesh.size("dp")};
+}
+
+}  // namespace
+
 std::unique_ptr<data::Reader> Runtime::open_dataset(const std::filesystem::path& dir,
                                                     data::ReaderOptions options) const {
-  options.rank = rank();
-  options.world_size = world_size();
+  std::tie(options.rank, options.world_size) = data_shard(*this);
   auto reader = std::make_unique<data::Reader>(dir, options);
   // What `loom data show|serve RUN_DIR` read back: the run's datasets and reader options.
   if (rank() == 0) data::record_run_reader(impl_->run_dir, dir.string(), *reader);
@@ -475,8 +493,7 @@ std::unique_ptr<data::Reader> Runtime::open_dataset(const std::filesystem::path&
 
 std::unique_ptr<data::Mixture> Runtime::open_mixture(std::vector<data::MixtureSource> sources,
                                                      data::MixtureOptions options) const {
-  options.rank = rank();
-  options.world_size = world_size();
+  std::tie(options.rank, options.world_size) = data_shard(*this);
   auto mixture = std::make_unique<data::Mixture>(std::move(sources), options);
   if (rank() == 0) data::record_run_mixture(impl_->run_dir, *mixture);
   return mixture;

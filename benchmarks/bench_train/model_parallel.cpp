@@ -11,6 +11,8 @@
 #include "loom/comm/gloo.h"
 #include "loom/comm/store.h"
 #include "loom/error.h"
+#include "loom/optim/flat_optimizer.h"
+#include "loom/parallel/data_parallel.h"
 #include "loom/parallel/mesh.h"
 #include "loom/parallel/pipeline.h"
 #include "model.h"  // the GPT example's model
@@ -71,10 +73,13 @@ std::pair<at::Tensor, at::Tensor> replica_batch(const Settings& s, int dp, int r
 
 // This rank's part of a split, trained with SGD (no optimizer state: the bytes are parameters,
 // gradients and activations). Every rank builds the whole model from seed 7 (the GPT example
-// has no meta-device construction), then frees the parameters of the other ranks' stages, as a
-// program holding only its stages would; its stages' gradients are allocated up front, so
-// backward accumulates into them. Construction is collective over `ranks` (the split's
-// processes; null when unsplit). Not copyable or movable: the stage functions hold the model.
+// has no meta-device construction), then keeps its stages' parameters only (keep_layers), as the
+// GPT example's program does, under Loom's DataParallel over the dp group with
+// parallel::ModelParallel: the pipeline's micro-batches accumulate under no_sync, then
+// reduce_accumulated_gradients sums the tied embedding between the first and the last stage and
+// reduces over dp. The unsplit baseline is the plain libtorch loop: backward, torch SGD.
+// Construction is collective over `ranks` (the split's processes; null when unsplit). Not
+// copyable or movable: the stage functions hold the model.
 class SplitRank {
  public:
   SplitRank(const Settings& s, const Split& split, loom::comm::Group* ranks);
@@ -98,7 +103,8 @@ class SplitRank {
   std::vector<at::Tensor> params_;                      // this rank's stages' parameters, once each
   std::unique_ptr<loom::parallel::Pipeline> pipeline_;  // pp > 1
   std::unique_ptr<loom::comm::Group> tied_;  // the first and last stage: the tied embedding
-  std::unique_ptr<torch::optim::SGD> optimizer_;
+  std::unique_ptr<loom::parallel::DataParallel> data_parallel_;  // split
+  std::unique_ptr<torch::optim::SGD> optimizer_;                 // unsplit
 };
 
 SplitRank::SplitRank(const Settings& s, const Split& split, loom::comm::Group* ranks)
@@ -121,39 +127,54 @@ SplitRank::SplitRank(const Settings& s, const Split& split, loom::comm::Group* r
     loom::metrics::MemoryCategoryScope parameters(MemoryCategory::kParameters);
     model_ = gpt::Gpt(config, parallel);
   }
+  if (split.unsplit) {
+    params_ = model_->parameters();
+    {
+      loom::metrics::MemoryCategoryScope gradients(MemoryCategory::kGradients);
+      for (at::Tensor& t : params_) t.mutable_grad() = torch::zeros_like(t);
+    }
+    optimizer_ = std::make_unique<torch::optim::SGD>(params_, torch::optim::SGDOptions(1e-3));
+    return;
+  }
   // Chunk j of pipeline rank `stage` is virtual stage j * pp + stage (pipeline.h).
-  const int pp = split.pp, stage = mesh_ != nullptr ? mesh_->coordinate("pp") : 0;
+  const int pp = split.pp, stage = mesh_->coordinate("pp");
   std::vector<loom::parallel::StageFn> chunks;
-  std::set<const void*> mine;
+  std::vector<std::pair<int64_t, int64_t>> layers;
   for (int j = 0; j < split.chunks; ++j) {
     const auto [begin, end] = gpt::GptImpl::stage_layers(config, j * pp + stage, pp * split.chunks);
+    layers.emplace_back(begin, end);
     chunks.push_back([model = model_.ptr(), begin = begin, end = end](const at::Tensor& input) {
       return model->forward_stage(input, begin, end);
     });
-    for (const at::Tensor& t : model_->stage_parameters(begin, end)) {
-      if (mine.insert(t.data_ptr()).second) params_.push_back(t);
-    }
   }
-  for (at::Tensor& t : model_->parameters()) {
-    if (mine.count(t.data_ptr()) == 0) t.set_data(torch::empty({0}, t.options()));
+  loom::parallel::ModelParallel model_parallel{.tp = &mesh_->group("tp"),
+                                               .pp = &mesh_->group("pp")};
+  for (const std::string& name : model_->keep_layers(layers)) {
+    if (tied_ == nullptr) tied_ = mesh_->group("pp").new_subgroup({0, pp - 1});
+    model_parallel.tied.push_back({name, tied_.get()});
   }
-  {
-    loom::metrics::MemoryCategoryScope gradients(MemoryCategory::kGradients);
-    for (at::Tensor& t : params_) t.mutable_grad() = torch::zeros_like(t);
-  }
+  params_ = model_->parameters();
   if (pp > 1) {
     pipeline_ = std::make_unique<loom::parallel::Pipeline>(
         mesh_->group("pp"), std::move(chunks),
         loom::parallel::PipelineOptions{.schedule = split.schedule,
                                         .micro_batches = micro_batches_of(s, split)});
-    if (stage == 0 || stage == pp - 1) tied_ = mesh_->group("pp").new_subgroup({0, pp - 1});
   }
-  optimizer_ = std::make_unique<torch::optim::SGD>(params_, torch::optim::SGDOptions(1e-3));
+  data_parallel_ = std::make_unique<loom::parallel::DataParallel>(
+      model_.ptr(), mesh_->group("dp"),
+      loom::parallel::DataParallelOptions{.model_parallel = model_parallel});
+  data_parallel_->set_optimizer(
+      std::make_unique<loom::optim::Sgd>(loom::optim::SgdOptions{.lr = 1e-3}));
 }
 
 double SplitRank::step(const Settings& s, int index) {
   const auto start = Clock::now();
-  for (at::Tensor& t : params_) t.mutable_grad().zero_();
+  if (data_parallel_ != nullptr) {
+    data_parallel_->zero_grad();
+    data_parallel_->set_sync(pipeline_ == nullptr);
+  } else {
+    for (at::Tensor& t : params_) t.mutable_grad().zero_();
+  }
   const int replica = mesh_ != nullptr ? mesh_->coordinate("dp") : 0;
   const auto [inputs, targets] = replica_batch(s, split_.dp, replica, index);
   {
@@ -168,16 +189,13 @@ double SplitRank::step(const Settings& s, int index) {
       model_->loss(inputs, targets).backward();
     }
   }
-  if (tied_ != nullptr) tied_->all_reduce(model_->wte->weight.mutable_grad())->wait();
-  if (split_.dp > 1) {
-    // The plain, correct way the composition test uses: one all-reduce per parameter after
-    // the step, nothing overlapped with backward (DataParallel is not composed with the
-    // pipeline yet, docs/parallel.md).
-    for (at::Tensor& t : params_) {
-      mesh_->group("dp").all_reduce(t.mutable_grad(), {.op = loom::comm::ReduceOp::kAvg})->wait();
-    }
+  if (data_parallel_ == nullptr) {
+    optimizer_->step();
+    return ms_since(start);
   }
-  optimizer_->step();
+  if (pipeline_ != nullptr) data_parallel_->reduce_accumulated_gradients();
+  data_parallel_->finish_gradient_sync();
+  data_parallel_->step();
   return ms_since(start);
 }
 

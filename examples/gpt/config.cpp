@@ -24,6 +24,9 @@ loom::ConfigSchema config_schema() {
         "parameter and compute dtype: float32, or bfloat16 (fp32 master weights and AdamW state)");
   s.add("train.batch_size", 16, "sequences per step, over all ranks");
   s.add("train.weight_decay", 0.1, "AdamW weight decay");
+  s.add("parallel.sequence_parallel", false,
+        "under parallel.tp > 1: split the LayerNorm, residual and embedding activations along "
+        "the sequence too (model.seq_len must divide by parallel.tp)");
   s.add("train.activation_checkpointing", false,
         "recompute each block's activations in backward instead of keeping them");
   s.add("eval.batches", 8, "held-out batches of train.batch_size sequences per evaluation");

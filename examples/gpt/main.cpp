@@ -65,13 +65,36 @@ double held_out_loss(gpt::Gpt& model, const loom::data::Reader& val, int64_t bat
   return total / static_cast<double>(std::max<int64_t>(counted, 1));
 }
 
+// The whole model's training FLOPs per token (TorchTitan's formula) when `model` holds this
+// rank's tensor-parallel shards.
+double whole_model_flops_per_token(gpt::Gpt& model, loom::comm::Group* tp) {
+  int64_t params = 0;
+  for (const auto& p : loom::parallel::tp::sharded_parameters(*model)) {
+    int64_t n = 1;
+    for (int64_t d : loom::parallel::tp::full_shape(p.tensor, p.spec, tp)) n *= d;
+    params += n;
+  }
+  loom::metrics::TransformerShape shape = model->shape();
+  shape.params = params;
+  return loom::metrics::flops_per_token(shape);
+}
+
 void train(loom::Runtime& rt) {
   const loom::Config& cfg = rt.config();
+  // Model parallelism (parallel.tp, parallel.pp; docs/parallel.md): the mesh's tp group splits
+  // heads, MLP features and vocabulary; each pipeline rank keeps its stages' blocks; the data
+  // is sharded over the dp dimension (rt.open_dataset), the strategy runs over the dp group.
+  const bool model_parallel =
+      cfg.get<int64_t>("parallel.tp") > 1 || cfg.get<int64_t>("parallel.pp") > 1;
+  loom::parallel::DeviceMesh* mesh = model_parallel ? &rt.mesh() : nullptr;
+  loom::comm::Group* tp = mesh != nullptr ? &mesh->group("tp") : nullptr;
+  loom::comm::Group* pp = mesh != nullptr && mesh->size("pp") > 1 ? &mesh->group("pp") : nullptr;
+  const int replicas = mesh != nullptr ? mesh->size("dp") : rt.world_size();
   const int64_t global_batch = cfg.get<int64_t>("train.batch_size");
-  LOOM_CHECK(global_batch > 0 && global_batch % rt.world_size() == 0, loom::ConfigError,
+  LOOM_CHECK(global_batch > 0 && global_batch % replicas == 0, loom::ConfigError,
              "train.batch_size (", global_batch,
-             ") must be a positive multiple of the world size (", rt.world_size(), ")");
-  const int64_t batch = global_batch / rt.world_size();
+             ") must be a positive multiple of the data-parallel replicas (", replicas, ")");
+  const int64_t batch = global_batch / replicas;
   const int64_t eval_batches = cfg.get<int64_t>("eval.batches");
   gpt::GptConfig model_cfg{.seq_len = cfg.get<int64_t>("model.seq_len"),
                            .n_layer = cfg.get<int64_t>("model.n_layer"),
@@ -89,20 +112,39 @@ void train(loom::Runtime& rt) {
   model_cfg.vocab_size = static_cast<int64_t>(reader->manifest().vocab_size);
   const auto vocab = loom::data::Vocabulary::of_dataset(train_dir);
 
-  gpt::Gpt model(model_cfg);
+  gpt::Gpt model(
+      model_cfg,
+      gpt::GptParallel{.tp = tp, .sequence_parallel = cfg.get<bool>("parallel.sequence_parallel")});
   const int64_t num_params = model->num_params();  // before FSDP empties the unit parameters
-  const double flops_per_token = model->flops_per_token();
+  // Per rank: a replica's tp x pp ranks share each token's FLOPs.
+  const double flops_per_token =
+      whole_model_flops_per_token(model, tp) /
+      static_cast<double>(mesh != nullptr ? rt.world_size() / replicas : 1);
+  // Pipeline stages: this rank's chunks of blocks, the rest of the model dropped.
+  loom::parallel::ModelParallel model_parallelism{.tp = tp, .pp = pp};
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  std::unique_ptr<loom::comm::Group> tied;  // the first and the last stage's ranks
+  if (pp != nullptr) {
+    const int p = pp->size(), v = loom::parallel::pipeline_chunks_from(cfg);
+    for (int j = 0; j < v; ++j)
+      chunks.push_back(gpt::GptImpl::stage_layers(model_cfg, j * p + pp->rank(), p * v));
+    for (const std::string& name : model->keep_layers(chunks)) {
+      if (tied == nullptr) tied = pp->new_subgroup({0, p - 1});
+      model_parallelism.tied.push_back({name, tied.get()});
+    }
+  }
   // bfloat16: bf16 parameters and compute; DataParallel keeps fp32 master weights and AdamW
   // state (docs/parallel.md), and on CUDA steps them with the fused AdamW kernel.
   model->to(rt.device(), gpt::parameter_dtype(cfg));
   rt.log().info(
-      "GPT: {} layers, {} heads, width {}, context {}, vocab {}: {:.2f}M parameters, "
-      "{:.2f} MFLOP/token; train {} ({} tokens, {} sequences), held out {} ({} sequences); "
-      "{} sequences per step on {} rank(s)",
+      "GPT: {} layers, {} heads, width {}, context {}, vocab {}: {:.2f}M parameters (this rank's), "
+      "{:.2f} MFLOP/token (this rank's share); train {} ({} tokens, {} sequences), held out {} "
+      "({} sequences); {} sequences per step on {} rank(s){}",
       model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd, model_cfg.seq_len,
       model_cfg.vocab_size, num_params / 1e6, flops_per_token / 1e6, train_dir,
       reader->manifest().total_items(), reader->num_samples(), cfg.get<std::string>("data.val"),
-      val.num_samples(), global_batch, rt.world_size());
+      val.num_samples(), global_batch, rt.world_size(),
+      mesh != nullptr ? " as " + mesh->describe() : std::string());
 
   // Data parallelism (parallel.mode: DDP, ZeRO-1, ZeRO-2, or FSDP with each block a unit and
   // the embeddings and final LayerNorm in the root unit) with Loom's AdamW (betas 0.9/0.95,
@@ -117,8 +159,11 @@ void train(loom::Runtime& rt) {
   if (mode == loom::parallel::Mode::kFsdp) {
     loom::parallel::wrap_modules<torch::nn::Module>(model->blocks);
   }
-  const std::unique_ptr<loom::parallel::Strategy> strategy =
-      loom::parallel::make_strategy(model.ptr(), rt.world_group(), rt.control_group(), cfg);
+  // Under model parallelism the strategy spans the dp group, whose construction checks travel
+  // over the group itself.
+  loom::comm::Group& dp = mesh != nullptr ? mesh->group("dp") : rt.world_group();
+  const std::unique_ptr<loom::parallel::Strategy> strategy = loom::parallel::make_strategy(
+      model.ptr(), dp, mesh != nullptr ? dp : rt.control_group(), cfg, model_parallelism);
   strategy->set_optimizer(std::make_unique<loom::optim::AdamW>(
       loom::optim::AdamWOptions{.lr = cfg.get<double>("train.lr"),
                                 .beta2 = 0.95,
@@ -133,8 +178,16 @@ void train(loom::Runtime& rt) {
   const std::vector<int64_t> prompt = encode_prompt(vocab, cfg.get<std::string>("sample.prompt"));
   nlohmann::json curve = nlohmann::json::array();
   // Held-out loss and a sample, on rank 0 (the others go on to the next step's collectives);
-  // under FSDP on every rank, since each forward gathers parameters from all of them.
-  const bool evaluates = rt.is_main() || mode == loom::parallel::Mode::kFsdp;
+  // under FSDP and tensor parallelism on every rank, since each forward is collective. A
+  // pipeline rank holds part of the model only: no evaluation there (noted once).
+  const bool evaluates =
+      pp == nullptr && (rt.is_main() || mode == loom::parallel::Mode::kFsdp || tp != nullptr);
+  if (pp != nullptr && rt.is_main()) {
+    rt.log().info(
+        "parallel.pp = {}: held-out evaluation and samples need the whole model on a "
+        "rank and are not run; the training loss is logged",
+        pp->size());
+  }
   auto evaluate = [&](int64_t steps_done) {
     if (!evaluates) return;
     const double loss = held_out_loss(model, val, batch, eval_batches);
@@ -157,21 +210,52 @@ void train(loom::Runtime& rt) {
     }
   };
 
-  loom::train::Trainer trainer(
-      rt, *strategy, *reader, options,
-      [&](const loom::data::Batch& b) {
-        const at::Tensor tokens = b["tokens"].to(rt.device());
-        const at::Tensor loss = model->loss(tokens.slice(1, 0, -1), tokens.slice(1, 1));
-        return loom::train::MicroStep{loss, tokens.size(0) * model_cfg.seq_len, tokens.size(0)};
-      },
-      // The untrained model's held-out loss, once: not again after a restart resumes.
-      {.on_start =
-           [&](int64_t step) {
-             if (step == 0) evaluate(0);
-           },
-       .on_eval = [&](int64_t step) { evaluate(step + 1); }});
+  // The untrained model's held-out loss, once: not again after a restart resumes.
+  const loom::train::Callbacks callbacks{.on_start =
+                                             [&](int64_t step) {
+                                               if (step == 0) evaluate(0);
+                                             },
+                                         .on_eval = [&](int64_t step) { evaluate(step + 1); }};
+  std::unique_ptr<loom::parallel::Pipeline> pipeline;
+  std::unique_ptr<loom::train::Trainer> trainer;
+  if (pp != nullptr) {
+    std::vector<loom::parallel::StageFn> stages;
+    for (const auto& [begin, end] : chunks) {
+      stages.push_back([&model, begin = begin, end = end](const at::Tensor& input) {
+        return model->forward_stage(input, begin, end);
+      });
+    }
+    const loom::parallel::PipelineOptions pipe_options = loom::parallel::pipeline_options_from(cfg);
+    LOOM_CHECK(batch % pipe_options.micro_batches == 0, loom::ConfigError, "train.batch_size (",
+               global_batch, ") over ", replicas, " data-parallel replica(s) is ", batch,
+               " sequences per pipeline step, which does not split into "
+               "parallel.pp_micro_batches = ",
+               pipe_options.micro_batches, " micro-batches; choose a batch size that does");
+    pipeline = std::make_unique<loom::parallel::Pipeline>(*pp, std::move(stages), pipe_options);
+    trainer = std::make_unique<loom::train::Trainer>(
+        rt, *strategy, *reader, options, loom::train::BatchStep{[&](const loom::data::Batch& b) {
+          const at::Tensor tokens = b["tokens"].to(rt.device());
+          const double loss =
+              pipeline->step(tokens.slice(1, 0, -1), tokens.slice(1, 1),
+                             [&](const at::Tensor& logits, const at::Tensor& targets) {
+                               return model->loss_from_logits(logits, targets);
+                             });
+          return loom::train::MicroStep{at::scalar_tensor(loss, at::kDouble),
+                                        tokens.size(0) * model_cfg.seq_len, tokens.size(0)};
+        }},
+        callbacks);
+  } else {
+    trainer = std::make_unique<loom::train::Trainer>(
+        rt, *strategy, *reader, options,
+        [&](const loom::data::Batch& b) {
+          const at::Tensor tokens = b["tokens"].to(rt.device());
+          const at::Tensor loss = model->loss(tokens.slice(1, 0, -1), tokens.slice(1, 1));
+          return loom::train::MicroStep{loss, tokens.size(0) * model_cfg.seq_len, tokens.size(0)};
+        },
+        callbacks);
+  }
   const auto start = std::chrono::steady_clock::now();
-  const loom::train::FitResult result = trainer.fit();
+  const loom::train::FitResult result = trainer->fit();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // The result is the held-out loss of the trained model: evaluate at the end unless the last

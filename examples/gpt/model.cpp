@@ -247,7 +247,13 @@ std::vector<int64_t> GptImpl::generate(std::vector<int64_t> ids, int64_t new_tok
                              : 0;
     std::vector<int64_t> context(ids.begin() + static_cast<std::ptrdiff_t>(start), ids.end());
     auto input = torch::tensor(context, torch::kLong).unsqueeze(0);
-    auto logits = forward(input)[0][-1] / temperature;  // the last position's [vocab]
+    // Sequence parallelism splits the positions over the tp ranks: pad the context on the right
+    // to a multiple of them. Attention is causal, so the real positions do not see the padding.
+    const auto length = static_cast<int64_t>(context.size());
+    if (parallel_.sequence_parallel && tp_size(parallel_) > 1 && length % tp_size(parallel_) != 0) {
+      input = torch::constant_pad_nd(input, {0, tp_size(parallel_) - length % tp_size(parallel_)});
+    }
+    auto logits = forward(input)[0][length - 1] / temperature;  // the last real position's
     auto [values, indices] = logits.topk(std::min(top_k, logits.size(0)));
     auto probs = torch::softmax(values.to(torch::kDouble), 0).contiguous();
     const double* p = probs.data_ptr<double>();

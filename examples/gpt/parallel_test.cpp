@@ -288,7 +288,8 @@ TEST_P(GptTensorParallelProcesses, TrainsLikeThePlainModelInOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Processes, GptTensorParallelProcesses,
-                         ::testing::Values(Layout{2}, Layout{4, true}, Layout{2, false, 2}),
+                         ::testing::Values(Layout{1}, Layout{2}, Layout{4}, Layout{4, true},
+                                           Layout{2, false, 2}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return name_of(info.param);
                          });
@@ -445,31 +446,56 @@ class GptPipeline : public ::testing::TestWithParam<PipelineLayout> {
 // Against the plain model on the whole batch under SGD; under AdamW, whose per-element
 // normalisation magnifies the different summation of 4 accumulated micro-batches (see above),
 // against the plain model accumulating the same micro-batches.
-TEST_P(GptPipeline, TrainsLikeThePlainModelInOneProcess) {
-  const PipelineLayout layout = GetParam();
-  const std::map<Optimizer, Trained> expected = {
-      {Optimizer::kSgd, train_plain_deep(Optimizer::kSgd, /*accumulate=*/false)},
-      {Optimizer::kAdamW, train_plain_deep(Optimizer::kAdamW, /*accumulate=*/true)}};
-  expect_all_ok(run_threads(layout.pp, [&](Rank& r) {
-    auto world = make_world(r);
-    DeviceMesh mesh(*world, {{"pp", layout.pp}});
-    for (const auto& [which, reference] : expected) {
-      Gpt model = build({}, deep());
-      const Trained actual = train_pipeline(model, mesh.group("pp"), layout, which);
-      expect_trains_like(reference, actual, model, nullptr, which,
-                         std::string(which == Optimizer::kSgd ? "SGD, " : "AdamW, ") +
-                             name_of(layout) + " rank " + std::to_string(r.rank));
-    }
-  }));
+std::map<Optimizer, Trained> pipeline_reference() {
+  return {{Optimizer::kSgd, train_plain_deep(Optimizer::kSgd, /*accumulate=*/false)},
+          {Optimizer::kAdamW, train_plain_deep(Optimizer::kAdamW, /*accumulate=*/true)}};
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Threads, GptPipeline,
+void check_pipeline_rank(Rank& r, const PipelineLayout& layout,
+                         const std::map<Optimizer, Trained>& expected) {
+  auto world = make_world(r);
+  DeviceMesh mesh(*world, {{"pp", layout.pp}});
+  for (const auto& [which, reference] : expected) {
+    Gpt model = build({}, deep());
+    const Trained actual = train_pipeline(model, mesh.group("pp"), layout, which);
+    expect_trains_like(reference, actual, model, nullptr, which,
+                       std::string(which == Optimizer::kSgd ? "SGD, " : "AdamW, ") +
+                           name_of(layout) + " rank " + std::to_string(r.rank));
+  }
+}
+
+TEST_P(GptPipeline, TrainsLikeThePlainModelInOneProcess) {
+  const PipelineLayout layout = GetParam();
+  const auto expected = pipeline_reference();
+  expect_all_ok(run_threads(layout.pp, [&](Rank& r) { check_pipeline_rank(r, layout, expected); }));
+}
+
+const auto kPipelineLayouts =
     ::testing::Values(PipelineLayout{2, Schedule::kGPipe}, PipelineLayout{4, Schedule::kGPipe},
                       PipelineLayout{2, Schedule::k1F1B}, PipelineLayout{4, Schedule::k1F1B},
                       PipelineLayout{2, Schedule::kInterleaved1F1B, 2},
-                      PipelineLayout{4, Schedule::kInterleaved1F1B, 2}),
-    [](const ::testing::TestParamInfo<PipelineLayout>& info) { return name_of(info.param); });
+                      PipelineLayout{4, Schedule::kInterleaved1F1B, 2});
+
+INSTANTIATE_TEST_SUITE_P(Threads, GptPipeline, kPipelineLayouts,
+                         [](const ::testing::TestParamInfo<PipelineLayout>& info) {
+                           return name_of(info.param);
+                         });
+
+// The same as real processes over a FileStore, each computing the plain reference itself.
+class GptPipelineProcesses : public ::testing::TestWithParam<PipelineLayout> {};
+
+TEST_P(GptPipelineProcesses, TrainsLikeThePlainModelInOneProcess) {
+  const PipelineLayout layout = GetParam();
+  expect_all_ok(run_processes(layout.pp, [&](Rank& r) {
+    torch::set_num_threads(1);
+    check_pipeline_rank(r, layout, pipeline_reference());
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Processes, GptPipelineProcesses, kPipelineLayouts,
+                         [](const ::testing::TestParamInfo<PipelineLayout>& info) {
+                           return name_of(info.param);
+                         });
 
 // pp x dp x tp through one mesh: 1F1B over pp, the GPT's tensor (and sequence) parallelism
 // over tp inside every stage, gradients averaged over dp, against the plain model on the

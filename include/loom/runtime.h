@@ -133,8 +133,11 @@ class LOOM_API Runtime {
 
   // Opens the dataset at `dir` for this rank: a directory, or a registry name such as
   // "kjv@3" (loom/data/registry.h; resolved through options.registry or
-  // $LOOM_DATA_REGISTRY). options.rank and options.world_size are set from the topology,
-  // everything else is the caller's (loom/data/reader.h). The errors are data::Reader's.
+  // $LOOM_DATA_REGISTRY). options.rank and options.world_size are set from the topology:
+  // every rank, or under model parallelism (parallel.pp or parallel.tp above 1) the mesh's dp
+  // dimension, so that the tensor- and pipeline-parallel ranks of a replica read the same
+  // batches (then collective: it builds mesh()). Everything else is the caller's
+  // (loom/data/reader.h). The errors are data::Reader's.
   // Rank 0 records the dataset and the options in <run_dir>/readers.json, from which
   // `loom data show|serve RUN_DIR` show what the run reads.
   std::unique_ptr<data::Reader> open_dataset(const std::filesystem::path& dir,

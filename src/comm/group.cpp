@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstring>
+#include <sstream>
 #include <utility>
 
 #include "comm/group_internal.h"
@@ -278,6 +280,31 @@ std::string GroupState::dump_flight() const noexcept {
   } catch (...) {
     return "";
   }
+}
+
+std::vector<std::vector<std::string>> all_gather_lines(Group& group, const std::string& text,
+                                                       at::Device device,
+                                                       std::chrono::milliseconds timeout) {
+  const int world = group.size();
+  const auto on = [&](at::ScalarType dtype) { return at::TensorOptions(dtype).device(device); };
+  at::Tensor length = at::full({1}, static_cast<int64_t>(text.size()), at::kLong).to(device);
+  at::Tensor lengths = at::empty({world}, on(at::kLong));
+  group.all_gather(lengths, length, {timeout})->wait(timeout);
+  lengths = lengths.cpu();
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor bytes = at::zeros({longest}, at::kByte);
+  std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  bytes = bytes.to(device);
+  at::Tensor all = at::empty({world * longest}, on(at::kByte));
+  group.all_gather(all, bytes, {timeout})->wait(timeout);
+  all = all.cpu();
+  std::vector<std::vector<std::string>> out(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    std::istringstream in(std::string(static_cast<const char*>(all.data_ptr()) + r * longest,
+                                      static_cast<size_t>(lengths[r].item<int64_t>())));
+    for (std::string line; std::getline(in, line);) out[static_cast<size_t>(r)].push_back(line);
+  }
+  return out;
 }
 
 }  // namespace internal

@@ -114,4 +114,11 @@ std::string collective_trace_args(const GroupState& state, uint64_t sequence,
 // now; nothing when start_us < 0 (not traced). A failed op's span says so.
 void trace_collective(const std::string& op, int64_t start_us, std::string args, bool failed);
 
+// Every rank's `text` as its lines, in rank order: two all-gathers over `group` (the lengths,
+// then the bytes padded to the longest), their tensors on `device` (the group's). Collective;
+// for the agreement checks of construction and resume, not for a step.
+std::vector<std::vector<std::string>> all_gather_lines(Group& group, const std::string& text,
+                                                       at::Device device,
+                                                       std::chrono::milliseconds timeout);
+
 }  // namespace loom::comm::internal

@@ -18,11 +18,13 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "comm/group_internal.h"
 #include "loom/ckpt/export.h"
 #include "loom/ckpt/state.h"
 #include "loom/error.h"
 #include "loom/metrics/allocations.h"
 #include "optim/sum_of_squares.h"
+#include "parallel/grad_view.h"
 #include "parallel/optim_blob.h"
 #include "parallel/placement.h"
 #include "util/deadline.h"
@@ -126,13 +128,6 @@ std::string shape_string(at::IntArrayRef shape) {
 // "name|dtype|shape" per parameter, one per line: what every rank must agree on.
 std::string signature_line(const std::string& name, const at::Tensor& t) {
   return name + "|" + util::dtype_name(t.scalar_type()) + "|" + shape_string(t.sizes());
-}
-
-std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
 }
 
 // Runs after a parameter's AccumulateGrad node has added the new gradient into .grad().
@@ -246,21 +241,8 @@ struct DataParallel::Impl {
     const at::Device where = control != nullptr ? at::Device(at::kCPU) : device;
     std::string mine;
     for (const Param& p : params) mine += signature_line(p.name, p.tensor) + "\n";
-    at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(where);
-    at::Tensor lengths = at::empty({world}, at::TensorOptions(at::kLong).device(where));
-    checks.all_gather(lengths, length, {timeout})->wait(timeout);
-    lengths = lengths.cpu();
-    const int64_t max_length = lengths.max().item<int64_t>();
-    at::Tensor bytes = at::zeros({max_length}, at::kByte);
-    std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-    bytes = bytes.to(where);
-    at::Tensor all = at::empty({world * max_length}, at::TensorOptions(at::kByte).device(where));
-    checks.all_gather(all, bytes, {timeout})->wait(timeout);
-    all = all.cpu();
-    auto text_of = [&](int r) {
-      const char* base = static_cast<const char*>(all.data_ptr()) + r * max_length;
-      return split_lines(std::string(base, lengths[r].item<int64_t>()));
-    };
+    const auto lines = comm::internal::all_gather_lines(checks, mine, where, timeout);
+    auto text_of = [&](int r) { return lines[static_cast<size_t>(r)]; };
     const std::vector<std::string> reference = text_of(0);
     for (int r = 1; r < world; ++r) {
       const std::vector<std::string> other = text_of(r);
@@ -392,16 +374,7 @@ struct DataParallel::Impl {
   // kNone/kOne: makes p's .grad() its view of the bucket again. Someone may have replaced it
   // (e.g. set it to none): accumulation then started afresh in a new tensor; it moves back in.
   void adopt_gradient(Param& p) {
-    const at::Tensor view = grad_view(p);
-    const at::Tensor& grad = p.tensor.grad();
-    if (grad.defined() && grad.is_same(view)) return;
-    torch::NoGradGuard no_grad;
-    if (grad.defined()) {
-      view.copy_(grad);
-    } else {
-      view.zero_();
-    }
-    p.tensor.mutable_grad() = view;
+    internal::adopt_gradient(p.tensor, p.tensor.grad(), grad_view(p));
   }
 
   void reduce_accumulated_gradients() {

@@ -19,11 +19,13 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "comm/group_internal.h"
 #include "loom/ckpt/export.h"
 #include "loom/ckpt/state.h"
 #include "loom/error.h"
 #include "loom/metrics/allocations.h"
 #include "optim/sum_of_squares.h"
+#include "parallel/grad_view.h"
 #include "parallel/optim_blob.h"
 #include "parallel/placement.h"
 #include "util/deadline.h"
@@ -258,13 +260,6 @@ std::string shape_string(at::IntArrayRef shape) {
   return out.str();
 }
 
-std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
-}
-
 bool starts_with_path(const std::string& name, const std::string& prefix) {
   return prefix.empty() ||
          (name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
@@ -470,21 +465,8 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       mine += p.name + "|" + util::dtype_name(p.tensor.scalar_type()) + "|" +
               shape_string(p.tensor.sizes()) + "|" + units[p.unit].name + "\n";
     }
-    at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device);
-    at::Tensor lengths = at::empty({world}, on_device(at::kLong));
-    group.all_gather(lengths, length, {timeout})->wait(timeout);
-    lengths = lengths.cpu();
-    const int64_t max_length = lengths.max().item<int64_t>();
-    at::Tensor bytes = at::zeros({max_length}, at::kByte);
-    std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-    bytes = bytes.to(device);
-    at::Tensor all = at::empty({world * max_length}, on_device(at::kByte));
-    group.all_gather(all, bytes, {timeout})->wait(timeout);
-    all = all.cpu();
-    auto text_of = [&](int r) {
-      const char* base = static_cast<const char*>(all.data_ptr()) + r * max_length;
-      return split_lines(std::string(base, lengths[r].item<int64_t>()));
-    };
+    const auto lines = comm::internal::all_gather_lines(group, mine, device, timeout);
+    auto text_of = [&](int r) { return lines[static_cast<size_t>(r)]; };
     const std::vector<std::string> reference = text_of(0);
     for (int r = 1; r < world; ++r) {
       const std::vector<std::string> other = text_of(r);
@@ -737,17 +719,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     }
     const at::Tensor grad = p.tensor.grad();
     begin_backward(unit);
-    const at::Tensor view = grad_view(unit, p);
-    if (!grad.defined() || grad.data_ptr() != view.data_ptr()) {
-      // .grad() was not our view (a user replaced it): move the gradient into the flat buffer.
-      torch::NoGradGuard no_grad;
-      if (grad.defined()) {
-        view.copy_(grad);
-      } else {
-        view.zero_();
-      }
-      p.tensor.mutable_grad() = view;
-    }
+    internal::adopt_gradient(p.tensor, grad, grad_view(unit, p));
     LOOM_CHECK(!p.arrived, InvalidArgument, "FSDP on rank ", rank, ": parameter '", p.name,
                "' got a second gradient before the other parameters of ", describe_unit(p.unit),
                " got theirs; every parameter of a unit must get a gradient in every backward");

@@ -80,6 +80,45 @@ at::Tensor header_of(const at::Tensor& t) {
 
 }  // namespace
 
+ConfigSchema pipeline_schema() {
+  ConfigSchema s;
+  s.add("parallel.pp_schedule", "1f1b",
+        "pipeline schedule under parallel.pp > 1: gpipe, 1f1b or interleaved-1f1b");
+  s.add("parallel.pp_micro_batches", 4,
+        "micro-batches each pipeline step cuts its batch into (m; the bubble is (pp - 1) / (m + "
+        "pp - 1))");
+  s.add("parallel.pp_chunks", 1,
+        "model chunks per pipeline rank (v); above 1 only for interleaved-1f1b (bubble / v)");
+  return s;
+}
+
+PipelineOptions pipeline_options_from(const Config& config) {
+  PipelineOptions o;
+  const std::string schedule = config.get<std::string>("parallel.pp_schedule");
+  bool known = false;
+  for (Schedule s : {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B}) {
+    if (schedule == to_string(s)) {
+      o.schedule = s;
+      known = true;
+    }
+  }
+  LOOM_CHECK(known, ConfigError, "parallel.pp_schedule is '", schedule,
+             "'; use gpipe, 1f1b or interleaved-1f1b");
+  const int64_t m = config.get<int64_t>("parallel.pp_micro_batches");
+  LOOM_CHECK(m >= 1, ConfigError, "parallel.pp_micro_batches must be at least 1, got ", m);
+  o.micro_batches = static_cast<int>(m);
+  return o;
+}
+
+int pipeline_chunks_from(const Config& config) {
+  const int64_t v = config.get<int64_t>("parallel.pp_chunks");
+  const bool interleaved = pipeline_options_from(config).schedule == Schedule::kInterleaved1F1B;
+  LOOM_CHECK(v >= 1 && (v == 1 || interleaved), ConfigError, "parallel.pp_chunks is ", v,
+             " with parallel.pp_schedule ", config.get<std::string>("parallel.pp_schedule"),
+             "; it must be at least 1, and above 1 only with interleaved-1f1b");
+  return static_cast<int>(v);
+}
+
 const char* to_string(Schedule schedule) {
   switch (schedule) {
     case Schedule::kGPipe:

@@ -14,9 +14,11 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "ckpt/manifest.h"
+#include "comm/group_internal.h"
 #include "loom/ckpt/checkpointer.h"
 #include "loom/ckpt/export.h"
 #include "loom/comm/group.h"
@@ -167,6 +169,7 @@ struct Trainer::Impl {
   data::BatchSource& reader;
   TrainOptions options;
   LossFn loss_fn;
+  BatchStep batch_step;  // instead of loss_fn: the model schedules its own micro-batches
   Callbacks callbacks;
 
   // A series of saves: the checkpoints on disk (<run_dir>/ckpt), or the snapshots in the node's
@@ -192,19 +195,27 @@ struct Trainer::Impl {
   int64_t scale_good_steps = 0;  // steps since the last overflow or growth
 
   Impl(Runtime& r, parallel::Strategy& d, data::BatchSource& rd, TrainOptions o, LossFn l,
-       Callbacks c)
+       BatchStep b, Callbacks c)
       : rt(r),
         strategy(d),
         reader(rd),
         options(std::move(o)),
         loss_fn(std::move(l)),
+        batch_step(std::move(b)),
         callbacks(std::move(c)) {
     LOOM_CHECK(options.steps >= 0, InvalidArgument, "train.steps must be >= 0, got ",
                options.steps);
     LOOM_CHECK(options.micro_batches >= 1 && reader.batch_size() % options.micro_batches == 0,
                InvalidArgument, "train.micro_batches (", options.micro_batches,
                ") must divide the per-rank batch size (", reader.batch_size(), ")");
-    LOOM_CHECK(loss_fn != nullptr, InvalidArgument, "the Trainer needs a loss function");
+    LOOM_CHECK(loss_fn != nullptr || batch_step.forward_backward != nullptr, InvalidArgument,
+               "the Trainer needs a loss function");
+    LOOM_CHECK(loss_fn != nullptr || (options.micro_batches == 1 && !options.loss_scaling.enabled),
+               InvalidArgument,
+               "with a model that runs its own micro-batches (a pipeline), "
+               "train.micro_batches must be 1 (it is ",
+               options.micro_batches,
+               ": the pipeline's micro-batch count applies) and loss scaling off");
     const LossScaling& ls = options.loss_scaling;
     LOOM_CHECK(!ls.enabled || (ls.init_scale > 0 && ls.growth >= 1 && ls.backoff > 0 &&
                                ls.backoff < 1 && ls.growth_interval >= 1),
@@ -324,6 +335,27 @@ struct Trainer::Impl {
     return true;
   }
 
+  // The tensor names other ranks' states hold and this one's does not: the other pipeline
+  // stages' parameters, which a strict load on this rank must leave to them. A tensor of the
+  // checkpoint that no rank asks for stays an error. One all-gather over the control group.
+  std::vector<std::string> tensors_of_other_ranks(const ckpt::State& state) {
+    if (rt.world_size() == 1) return {};
+    std::set<std::string> mine;
+    std::string text;
+    for (const ckpt::TensorEntry& e : state.tensors) {
+      mine.insert(e.name);
+      text += e.name + "\n";
+    }
+    std::set<std::string> others;
+    for (const auto& lines : comm::internal::all_gather_lines(rt.control_group(), text, at::kCPU,
+                                                              options.checkpoint_timeout)) {
+      for (const std::string& name : lines) {
+        if (mine.count(name) == 0) others.insert(name);
+      }
+    }
+    return {others.begin(), others.end()};
+  }
+
   // Resumes from the newest committed snapshot or checkpoint, whichever is newer (the snapshot
   // on a tie: it is in memory); returns whether there was one.
   bool resume() {
@@ -349,6 +381,8 @@ struct Trainer::Impl {
     // world size the per-rank RNG streams, which have no meaning there.
     ckpt::LoadOptions load{.strict = options.resume_strict, .leave_out = {"config"}};
     if (!same_world) load.leave_out.push_back("rng/cpu");
+    for (std::string& name : tensors_of_other_ranks(state))
+      load.leave_out.push_back(std::move(name));
     const int64_t loaded = source.checkpointer->load(newest.step, state, load);
     strategy.load_state(state);
     const auto corrupt_blob = [&](const char* why) {
@@ -521,7 +555,15 @@ struct Trainer::Impl {
     at::Tensor loss_sum;  // this rank's micro-batch losses, summed in double on their device
     int64_t tokens = 0, samples = 0;
     strategy.zero_grad();
-    {
+    if (batch_step.forward_backward != nullptr) {
+      auto phase = timer.phase(Phase::kForwardBackward);
+      strategy.set_sync(false);
+      const MicroStep whole = batch_step.forward_backward(batch);
+      loss_sum = whole.loss.detach().to(at::kDouble);
+      tokens = whole.tokens;
+      samples = whole.samples;
+      strategy.reduce_accumulated_gradients();  // finish_gradient_sync below waits for it
+    } else {
       auto phase = timer.phase(Phase::kForwardBackward);
       for (int64_t m = 0; m < options.micro_batches; ++m) {
         strategy.set_sync(m + 1 == options.micro_batches);
@@ -666,7 +708,12 @@ struct Trainer::Impl {
 Trainer::Trainer(Runtime& rt, parallel::Strategy& strategy, data::BatchSource& reader,
                  TrainOptions options, LossFn loss, Callbacks callbacks)
     : impl_(std::make_unique<Impl>(rt, strategy, reader, std::move(options), std::move(loss),
-                                   std::move(callbacks))) {}
+                                   BatchStep{}, std::move(callbacks))) {}
+
+Trainer::Trainer(Runtime& rt, parallel::Strategy& strategy, data::BatchSource& reader,
+                 TrainOptions options, BatchStep step, Callbacks callbacks)
+    : impl_(std::make_unique<Impl>(rt, strategy, reader, std::move(options), LossFn{},
+                                   std::move(step), std::move(callbacks))) {}
 
 Trainer::~Trainer() = default;
 

@@ -160,6 +160,58 @@ TEST_F(GptExample, FsdpAtTwoRanksTrainsAsDdpDoes) {
   }
 }
 
+// Model parallelism from the command line, as processes under `loom run`: tensor parallelism
+// (with sequence parallelism too), a 1F1B pipeline, and pp 2 x dp 2 with FSDP as dp each train as
+// DDP at two ranks does (the same global batches: the data is sharded over dp only), and a run
+// checkpointed under DDP resumes under pp 2 x tp 2 and continues as the uninterrupted run. Per step
+// within 1e-5 relative: the same fp32 arithmetic but for the order of sums (row-parallel partial
+// products, the vocabulary-parallel log-sum-exp, micro-batches accumulated, replicas averaged).
+TEST_F(GptExample, ModelParallelLayoutsTrainAsDdpDoesAndResumeAcrossThem) {
+  const auto ddp = train_ranks("ddp2", 2, {});
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  const auto reference = losses("ddp2");
+  ASSERT_EQ(reference.size(), 5u);
+  const std::vector<std::pair<std::string, std::vector<std::string>>> layouts = {
+      {"tp2", {"--parallel.tp=2"}},
+      {"tp2_sp", {"--parallel.tp=2", "--parallel.sequence_parallel=true"}},
+      {"pp2", {"--parallel.pp=2", "--parallel.pp_micro_batches=2"}},
+      {"pp2_fsdp2", {"--parallel.pp=2", "--parallel.pp_micro_batches=2", "--parallel.mode=fsdp"}},
+      {"pp2_tp2_gpipe", {"--parallel.pp=2", "--parallel.tp=2", "--parallel.pp_schedule=gpipe"}}};
+  for (const auto& [name, flags] : layouts) {
+    const int ranks = name == "tp2" || name == "tp2_sp" || name == "pp2" ? 2 : 4;
+    const auto run = train_ranks(name, ranks, flags);
+    ASSERT_EQ(run.exit_code, 0) << name << "\n" << run.output;
+    const auto got = losses(name);
+    ASSERT_EQ(got.size(), reference.size()) << name;
+    for (const auto& [step, loss] : reference) {
+      EXPECT_NEAR(got.at(step), loss, 1e-5 * loss) << name << ", step " << step;
+    }
+  }
+  // Steps 0..2 under DDP, then 3..4 resumed from its checkpoint under pp 2 x tp 2.
+  const auto first = train_ranks("resumed", 2, {"--train.steps=3"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto second = train_ranks("resumed", 4, {"--parallel.pp=2", "--parallel.tp=2"});
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  const auto resumed = losses("resumed");
+  ASSERT_EQ(resumed.size(), 5u);
+  for (const auto& [step, loss] : reference) {
+    EXPECT_NEAR(resumed.at(step), loss, 1e-5 * loss) << "resumed, step " << step;
+  }
+  // Layouts that do not fit name the numbers.
+  const auto bad = train_ranks("bad", 2, {"--parallel.tp=4"});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_TRUE(testing::contains(bad.output, "which does not divide the world size 2"))
+      << bad.output;
+  const auto uneven =
+      train_ranks("uneven", 4, {"--parallel.pp=2", "--parallel.pp_micro_batches=4"});
+  EXPECT_NE(uneven.exit_code, 0);
+  EXPECT_TRUE(testing::contains(
+      uneven.output,
+      "train.batch_size (4) over 2 data-parallel replica(s) is 2 sequences per pipeline step, "
+      "which does not split into parallel.pp_micro_batches = 4 micro-batches"))
+      << uneven.output;
+}
+
 TEST_F(GptExample, TheResultIsTheHeldOutLossAfterTheLastStep) {
   const auto run = train("run", {});
   ASSERT_EQ(run.exit_code, 0) << run.output;

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "loom/comm/group.h"
+#include "loom/config.h"
 #include "loom/visibility.h"
 
 namespace loom::parallel {
@@ -48,6 +49,16 @@ struct PipelineOptions {
   int micro_batches = 4;  // m: the batch is cut into m equal pieces along dim 0
   std::chrono::milliseconds timeout = comm::kDefaultCollectiveTimeout;  // each transfer's wait
 };
+
+// The config keys of a pipeline (part of the Runtime's schema, beside parallel.pp):
+// parallel.pp_schedule (gpipe, 1f1b or interleaved-1f1b), parallel.pp_micro_batches (m) and
+// parallel.pp_chunks (v: model chunks per pipeline rank; above 1 only for interleaved-1f1b).
+LOOM_API ConfigSchema pipeline_schema();
+// The schedule and micro-batch count those keys give (timeout: the default); ConfigError
+// naming the key for a bad value.
+LOOM_API PipelineOptions pipeline_options_from(const Config& config);
+// parallel.pp_chunks, checked against the schedule (ConfigError naming both).
+LOOM_API int pipeline_chunks_from(const Config& config);
 
 // A chunk of the model: its input (the previous stage's output, or the batch's micro-batch for
 // the first stage) to its output (the next stage's input, or what the loss takes).

@@ -129,6 +129,17 @@ struct MicroStep {
 // The model's forward pass and loss on a micro-batch. Runs on the training thread.
 using LossFn = std::function<MicroStep(const data::Batch& micro_batch)>;
 
+// For models that run their own micro-batches: a pipeline (parallel::Pipeline) takes this
+// rank's whole batch, cuts it into its micro-batches and runs forwards and backwards in its
+// schedule's order. `forward_backward` does that and returns the batch's mean loss (detached;
+// the same on every rank of a pipeline), tokens and samples. The Trainer runs it with the
+// strategy's sync off, then strategy.reduce_accumulated_gradients(); clipping, the optimizer,
+// metrics and checkpoints are as with a LossFn. train.micro_batches must be 1 (the pipeline's
+// own count applies) and loss scaling off. docs/parallel.md, "The Trainer over a mesh".
+struct BatchStep {
+  std::function<MicroStep(const data::Batch& batch)> forward_backward;
+};
+
 // What on_step_end sees.
 struct StepInfo {
   int64_t step = 0;       // 0-based index of the step just finished
@@ -165,6 +176,10 @@ class LOOM_API Trainer {
  public:
   Trainer(Runtime& rt, parallel::Strategy& strategy, data::BatchSource& reader,
           TrainOptions options, LossFn loss, Callbacks callbacks = {});
+  // The same, with the model's own micro-batch schedule (a pipeline). InvalidArgument when
+  // options.micro_batches is not 1 or loss scaling is on.
+  Trainer(Runtime& rt, parallel::Strategy& strategy, data::BatchSource& reader,
+          TrainOptions options, BatchStep step, Callbacks callbacks = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
