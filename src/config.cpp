@@ -18,7 +18,9 @@
 #include <system_error>
 
 #include <toml++/toml.h>
+
 #include <nlohmann/json.hpp>
+#include "config_toml.h"
 
 namespace loom {
 namespace {
@@ -509,18 +511,18 @@ std::string ascii_toml(const std::string& text, std::string& problem) {
   return out;
 }
 
-toml::table parse_toml_file(const std::filesystem::path& path) {
+toml::table parse_toml_file(const std::filesystem::path& path, const char* what) {
   std::error_code error;
   if (!std::filesystem::exists(path, error)) {
-    throw ConfigError(concat("config file '", path.string(), "' not found"));
+    throw ConfigError(concat(what, " '", path.string(), "' not found"));
   }
   if (std::filesystem::is_directory(path, error)) {
-    throw ConfigError(concat("config file '", path.string(), "' is a directory"));
+    throw ConfigError(concat(what, " '", path.string(), "' is a directory"));
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     throw ConfigError(
-        concat("config file '", path.string(), "' cannot be read: ", std::strerror(errno)));
+        concat(what, " '", path.string(), "' cannot be read: ", std::strerror(errno)));
   }
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   std::string problem;
@@ -557,6 +559,10 @@ std::string file_location(const std::filesystem::path& path, const toml::node& n
 }
 
 }  // namespace
+
+toml::table internal::read_toml_file(const std::filesystem::path& path, const char* what) {
+  return parse_toml_file(path, what);
+}
 
 const char* to_string(ConfigType type) {
   switch (type) {
@@ -683,7 +689,7 @@ Config Config::defaults(const ConfigSchema& schema) {
 Config Config::load(const ConfigSchema& schema, const ConfigSources& sources) {
   Config config = defaults(schema);
   if (sources.file) {
-    const toml::table table = parse_toml_file(*sources.file);
+    const toml::table table = parse_toml_file(*sources.file, "config file");
     flatten(schema, table, "", [&](const std::string& name, const toml::node& node) {
       const Origin origin{ConfigSource::kFile, file_location(*sources.file, node)};
       const ConfigKey* key = schema.find(name);

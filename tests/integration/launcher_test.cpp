@@ -136,6 +136,51 @@ TEST_F(Launcher, OneNodeTwoWorkersRendezvousAndAllReduce) {
   EXPECT_TRUE(fs::exists(dir / "run" / "logs" / "worker_1.out"));
 }
 
+// `loom run --job`: a spec with only a training group runs it (its command, procs_per_node);
+// `--check` prints the plan of a spec with services; without --check such a spec is refused,
+// naming its services (they are not started yet); a bad spec names file, line and key.
+TEST_F(Launcher, AJobSpecRunsItsTrainingGroupAndChecksServices) {
+  TempDir dir;
+  const fs::path job = dir / "job.toml";
+  std::ofstream(job) << "[group.train]\nkind = \"training\"\ncommand = [\"" << kProbe
+                     << "\"]\nprocs_per_node = 2\n";
+  auto run =
+      testing::run_loom(dir, {"run", "--run-dir", (dir / "run").string(), "--job", job.string()});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto probes = wait_probes(dir, 1, 2, std::chrono::seconds(1));
+  ASSERT_EQ(probes.size(), 2u) << run.output;
+  for (const json& p : probes) EXPECT_EQ(p["world"], 2);
+
+  const fs::path services = dir / "services.toml";
+  std::ofstream(services) << "[group.train]\nkind = \"training\"\ncommand = [\"prog\"]\n"
+                             "after = [\"data\"]\n[group.data]\ncommand = [\"serve\"]\n"
+                             "replicas = 2\nplacement = \"spread\"\nhealth = { tcp = 7000 }\n";
+  run = testing::run_loom(dir, {"run", "--job", services.string(), "--check"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(run.output, services.string() +
+                            ": 2 group(s) on 1 node(s); start order: data train\n"
+                            "  data: serve\n"
+                            "    2 replica(s) spread, restart on-failure (at most 3, backoff 1 "
+                            "s), scope job, health tcp port 7000\n"
+                            "  train (training): prog\n"
+                            "    1 per node, restart on-failure (at most 3, backoff 1 s), scope "
+                            "generation, health none (ready once started), after data\n"
+                            "  node 0: data/0 data/1 train/0\n");
+  run = testing::run_loom(dir, {"run", "--job", services.string()});
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_TRUE(testing::contains(run.output, services.string() +
+                                                " declares services (data), which this `loom "
+                                                "run` does not start yet"))
+      << run.output;
+  std::ofstream(services) << "[group.train]\nkind = \"trainer\"\n";
+  run = testing::run_loom(dir, {"run", "--job", services.string(), "--check"});
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_TRUE(testing::contains(run.output, services.string() +
+                                                ":2: group.train.kind: is \"trainer\"; use "
+                                                "\"training\" or \"service\""))
+      << run.output;
+}
+
 TEST_F(Launcher, TwoAgentsTimesTwoWorkers) {
   TempDir dir;
   const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());

@@ -11,6 +11,7 @@
 #include "commands.h"
 #include "loom/control/agent.h"
 #include "loom/control/coordinator.h"
+#include "loom/control/job_spec.h"
 #include "loom/error.h"
 
 namespace loom::cli {
@@ -45,6 +46,8 @@ struct RunArgs {
   double hang_factor = kAgentDefaults.hang_factor;
   double hang_min_seconds = kAgentDefaults.hang_min_seconds;
   std::vector<std::string> program;
+  std::string job;     // --job FILE: a job spec (loom/control/job_spec.h)
+  bool check = false;  // --check: validate the job spec and print its plan
 };
 
 std::string env(const char* name) {
@@ -100,7 +103,36 @@ CLI::Validator number_above(double min, const std::string& what, bool or_equal =
       what);
 }
 
+// --job: the spec's training group becomes the program. Services are declared and checked
+// but not started yet: a spec with any is refused, naming them (docs/launcher.md, "Job specs").
+void apply_job_spec(RunArgs& args, const control::JobSpec& spec) {
+  LOOM_CHECK(args.program.empty(), InvalidArgument,
+             "--job gives the program (its training group's command); drop the program after --");
+  std::string services;
+  for (const control::GroupSpec& g : spec.groups) {
+    if (!g.training) services += (services.empty() ? "" : ", ") + g.name;
+  }
+  LOOM_CHECK(services.empty(), InvalidArgument, args.job, " declares services (", services,
+             "), which this `loom run` does not start yet; `loom run --job ", args.job,
+             " --check` validates the spec and prints its plan (docs/launcher.md, \"Job specs\")");
+  const control::GroupSpec& training = spec.training();
+  args.program = training.command;
+  if (args.nproc_per_node < 0) args.nproc_per_node = training.procs_per_node;
+  if (args.nnodes == "1") args.nnodes = std::to_string(spec.nodes);
+  if (args.max_restarts == 0) args.max_restarts = training.max_restarts;
+}
+
 int run(RunArgs args) {
+  if (!args.job.empty()) {
+    const control::JobSpec spec = control::parse_job_spec(args.job);
+    if (args.check) {
+      std::cout << control::describe_plan(spec);
+      return 0;
+    }
+    apply_job_spec(args, spec);
+  }
+  LOOM_CHECK(!args.program.empty(), InvalidArgument,
+             "give the program and its arguments after --, or a job spec with --job FILE");
   if (args.standalone) {
     LOOM_CHECK(args.coordinator.empty() && (args.nnodes == "1"), InvalidArgument,
                "--standalone is one node with a coordinator on a free loopback port: drop "
@@ -277,8 +309,13 @@ void register_run(CLI::App& app, Action& action) {
                    "the hang watchdog waits at least this long without a finished step")
       ->capture_default_str()
       ->check(number_above(0, "seconds >= 0", true));
-  run_cmd->add_option("program", args->program, "the program and its arguments (after --)")
-      ->required();
+  run_cmd->add_option("program", args->program, "the program and its arguments (after --)");
+  run_cmd->add_option("--job", args->job,
+                      "a job spec (TOML): the training group's command, procs_per_node, nodes "
+                      "and max_restarts instead of the program and flags (docs/launcher.md)");
+  run_cmd->add_flag("--check", args->check,
+                    "with --job: check the spec and print its plan (groups, start order, each "
+                    "node's processes), then exit");
   run_cmd->footer(
       "Examples:\n"
       "  loom run --nproc-per-node 2 -- build/examples/fashion_mnist "
