@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "control/client.h"
+#include "control/services.h"
 #include "control/snapshot_memory.h"
 #include "control/snapshot_replication.h"
 #include "loom/control/coordinator.h"
@@ -232,8 +233,25 @@ class Agent {
           round->nnodes(), ", ranks ", round->rank_offset(), "-",
           round->rank_offset() + options_.nproc_per_node - 1, " of world size ",
           round->world_size());
+      if (options_.job && !services_) {
+        // Services start once, on the first generation this node joins, before its workers.
+        services_ = std::make_unique<ServiceSupervisor>(
+            *options_.job, static_cast<int>(node_rank_), options_.run_dir, advertise_,
+            [this](const std::string& key, const std::string& value) { store_->set(key, value); });
+        try {
+          services_->start();
+        } catch (const Error& e) {
+          say(e.what());
+          leave(false, 1, e.what());
+          services_->stop(options_.grace);
+          return linger(1);
+        }
+      }
       const Outcome outcome = run_generation(*round);
-      if (outcome.exit_code >= 0) return linger(outcome.exit_code);
+      if (outcome.exit_code >= 0) {
+        if (services_) services_->stop(options_.grace);  // after the workers
+        return linger(outcome.exit_code);
+      }
       // The generation ended: re-join, at once the first time (a fast recovery), then after a
       // back-off that grows with repeated failures.
       std::this_thread::sleep_for(std::min(milliseconds(200) * failures_seen, milliseconds(3000)));
@@ -332,6 +350,9 @@ class Agent {
         {"TORCHELASTIC_MAX_RESTARTS", s(options_.max_restarts)},
         {"TORCHELASTIC_RUN_ID", options_.run_id},
         {"TORCHELASTIC_USE_AGENT_STORE", "False"}};
+    if (services_) {  // this node's services (discovery across nodes: the store)
+      for (const auto& [name, value] : services_->env()) env[name] = value;
+    }
     if (options_.tls.enabled()) {  // the workers' store and heartbeat need them too
       env["LOOM_TLS_CERT"] = options_.tls.cert.string();
       env["LOOM_TLS_KEY"] = options_.tls.key.string();
@@ -452,6 +473,13 @@ class Agent {
       if (running == 0 && !left && !failure_reported_) {
         leave(true, 0, "");
         left = true;
+      }
+      if (services_ && !left) {
+        if (const auto down = services_->poll()) {
+          say(*down, ": the job fails");
+          leave(false, 1, *down);
+          return {1};
+        }
       }
       try {
         follow_snapshot_peers();
@@ -576,6 +604,7 @@ class Agent {
   std::unique_ptr<CoordinatorStore> store_;           // MASTER_ADDR:MASTER_PORT per generation
   std::unique_ptr<SnapshotMemory> snapshots_;         // null without snapshots
   std::unique_ptr<SnapshotReplication> replication_;  // null without snapshots
+  std::unique_ptr<ServiceSupervisor> services_;       // a job spec's services on this node
   // Owned by the agent's thread.
   int64_t generation_ = 0;
   int64_t node_rank_ = 0;

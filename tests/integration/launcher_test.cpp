@@ -11,6 +11,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -137,8 +138,7 @@ TEST_F(Launcher, OneNodeTwoWorkersRendezvousAndAllReduce) {
 }
 
 // `loom run --job`: a spec with only a training group runs it (its command, procs_per_node);
-// `--check` prints the plan of a spec with services; without --check such a spec is refused,
-// naming its services (they are not started yet); a bad spec names file, line and key.
+// `--check` prints the plan of a spec with services; a bad spec names file, line and key.
 TEST_F(Launcher, AJobSpecRunsItsTrainingGroupAndChecksServices) {
   TempDir dir;
   const fs::path job = dir / "job.toml";
@@ -166,12 +166,6 @@ TEST_F(Launcher, AJobSpecRunsItsTrainingGroupAndChecksServices) {
                             "    1 per node, restart on-failure (at most 3, backoff 1 s), scope "
                             "generation, health none (ready once started), after data\n"
                             "  node 0: data/0 data/1 train/0\n");
-  run = testing::run_loom(dir, {"run", "--job", services.string()});
-  EXPECT_NE(run.exit_code, 0);
-  EXPECT_TRUE(testing::contains(run.output, services.string() +
-                                                " declares services (data), which this `loom "
-                                                "run` does not start yet"))
-      << run.output;
   std::ofstream(services) << "[group.train]\nkind = \"trainer\"\n";
   run = testing::run_loom(dir, {"run", "--job", services.string(), "--check"});
   EXPECT_NE(run.exit_code, 0);
@@ -179,6 +173,77 @@ TEST_F(Launcher, AJobSpecRunsItsTrainingGroupAndChecksServices) {
                                                 ":2: group.train.kind: is \"trainer\"; use "
                                                 "\"training\" or \"service\""))
       << run.output;
+}
+
+// This node's entry for `service` in <run_dir>/services_node0.json, once `ready(entry)`.
+json wait_service(const TempDir& dir, const std::string& service,
+                  const std::function<bool(const json&)>& ready) {
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  json last;
+  while (Clock::now() < deadline) {
+    const fs::path file = dir / "run" / "services_node0.json";
+    if (fs::exists(file)) {
+      for (const json& entry : json::parse(util::read_file(file))) {
+        if (entry["service"] == service) last = entry;
+      }
+      if (!last.is_null() && ready(last)) return last;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ADD_FAILURE() << "service " << service << " never reached the state; last seen: " << last;
+  return last;
+}
+
+// A job with a service (Python's HTTP server, health: its HTTP port) the training workers wait
+// for: the workers get its endpoint; SIGKILLed, the service restarts alone (the workers keep
+// their generation); a SIGKILLed worker restarts training while the service keeps its pid; at
+// the end the service is stopped after the workers, and its log holds each start.
+TEST_F(Launcher, AServiceRestartsAloneAndOutlivesTrainingRestarts) {
+  TempDir dir;
+  const int port = free_port();
+  const fs::path job = dir / "job.toml";
+  std::ofstream(job) << "[group.web]\ncommand = [\"python3\", \"-m\", \"http.server\", \"" << port
+                     << "\", \"--bind\", \"127.0.0.1\", \"--directory\", \"" << dir.path().string()
+                     << "\"]\nhealth = { http = \"/\", port = " << port
+                     << " }\nmax_restarts = 2\nbackoff_seconds = 0.1\nready_timeout_seconds = 30\n"
+                        "[group.train]\nkind = \"training\"\ncommand = [\""
+                     << kProbe
+                     << "\", \"--probe.steps=60\", \"--probe.step_ms=100\"]\nprocs_per_node = "
+                        "2\nmax_restarts = 1\nafter = [\"web\"]\n";
+  Launch l{util::Subprocess::spawn(
+               {.argv = {kLoom, "run", "--run-dir", (dir / "run").string(), "--job", job.string()},
+                .output = dir / "job.out"}),
+           dir / "job.out"};
+  const auto first = wait_probes(dir, 1, 2, std::chrono::seconds(30));
+  ASSERT_EQ(first.size(), 2u) << l.text();
+  for (const json& p : first) {
+    EXPECT_EQ(p["services"], "LOOM_SERVICE_WEB=127.0.0.1:" + std::to_string(port)) << p;
+  }
+  const json web = wait_service(dir, "web", [](const json& e) { return e["state"] == "running"; });
+  const int pid = web["pid"].get<int>();
+  ASSERT_GT(pid, 0);
+  ::kill(pid, SIGKILL);
+  const json restarted = wait_service(dir, "web", [&](const json& e) {
+    return e["restarts"] == 1 && e["state"] == "running" && e["pid"] != pid;
+  });
+  EXPECT_EQ(restarted["last_exit"], "killed by signal 9 (Killed)");
+  EXPECT_TRUE(wait_probes(dir, 2, 1, std::chrono::seconds(0)).empty())
+      << "the service's restart restarted training";
+  // A worker killed: training restarts (generation 2); the service keeps its pid.
+  ::kill(first[0]["pid"].get<int>(), SIGKILL);
+  const auto second = wait_probes(dir, 2, 2, std::chrono::seconds(30));
+  ASSERT_EQ(second.size(), 2u) << l.text();
+  const json after = wait_service(dir, "web", [](const json&) { return true; });
+  EXPECT_EQ(after["pid"], restarted["pid"]);
+  EXPECT_EQ(after["restarts"], 1);
+  ASSERT_EQ(finish(l, std::chrono::seconds(60)), 0) << l.text();
+  const json stopped =
+      wait_service(dir, "web", [](const json& e) { return e["state"] != "running"; });
+  EXPECT_EQ(stopped["state"], "stopped") << stopped;
+  const std::string log = util::read_file(dir / "run" / "logs" / "web_0.out");
+  EXPECT_TRUE(testing::contains(log, "---- start 1 ----")) << log;
+  EXPECT_TRUE(testing::contains(log, "---- start 2 ----")) << log;
+  EXPECT_TRUE(testing::contains(l.text(), "[loom run] service web/0 ready")) << l.text();
 }
 
 TEST_F(Launcher, TwoAgentsTimesTwoWorkers) {

@@ -3,7 +3,8 @@
 // every rank's, so it can compare the group's sum with the exact one in double), records what
 // it saw (sums, the largest error, the world group's transport) in
 // <run_dir>/probe/gen<g>_rank<r>.json, then runs `probe.steps` steps of `probe.step_ms`,
-// reporting progress through the heartbeat. With probe.kill_pid it then SIGKILLs that process
+// reporting progress through the heartbeat. The record also holds the LOOM_SERVICE_* variables
+// a job spec's services gave it. With probe.kill_pid it then SIGKILLs that process
 // (a test's way to take the coordinator away at a known moment) before exiting.
 #include <loom/loom.h>
 #include <unistd.h>
@@ -43,6 +44,12 @@ int main(int argc, char** argv) {
     const double max_error = (random.to(at::kDouble) - exact).abs().max().item<double>();
     const int64_t ready_ms = now_ms();
     const int64_t generation = rt.topology().generation;
+    // The job spec services' endpoints the agent gave it: "NAME=host:port;..." (sorted).
+    std::string services;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string var = *e;
+      if (var.rfind("LOOM_SERVICE_", 0) == 0) services += (services.empty() ? "" : ";") + var;
+    }
     const auto dir = rt.run_dir() / "probe";
     std::filesystem::create_directories(dir);
     {
@@ -53,7 +60,8 @@ int main(int argc, char** argv) {
           << ", \"generation\": " << generation << ", \"sum\": " << t[0].item<float>()
           << ", \"max_error\": " << max_error << ", \"transport\": \""
           << loom::comm::gloo_transport(group) << "\""
-          << ", \"pid\": " << ::getpid() << ", \"ready_ms\": " << ready_ms << "}\n";
+          << ", \"pid\": " << ::getpid() << ", \"ready_ms\": " << ready_ms << ", \"services\": \""
+          << services << "\"}\n";
       std::filesystem::rename(file.string() + ".tmp", file);
     }
     for (int64_t step = 0; step < rt.config().get<int64_t>("probe.steps"); ++step) {

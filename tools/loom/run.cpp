@@ -103,18 +103,10 @@ CLI::Validator number_above(double min, const std::string& what, bool or_equal =
       what);
 }
 
-// --job: the spec's training group becomes the program. Services are declared and checked
-// but not started yet: a spec with any is refused, naming them (docs/launcher.md, "Job specs").
+// --job: the spec's training group becomes the program; its services go to the agent.
 void apply_job_spec(RunArgs& args, const control::JobSpec& spec) {
   LOOM_CHECK(args.program.empty(), InvalidArgument,
              "--job gives the program (its training group's command); drop the program after --");
-  std::string services;
-  for (const control::GroupSpec& g : spec.groups) {
-    if (!g.training) services += (services.empty() ? "" : ", ") + g.name;
-  }
-  LOOM_CHECK(services.empty(), InvalidArgument, args.job, " declares services (", services,
-             "), which this `loom run` does not start yet; `loom run --job ", args.job,
-             " --check` validates the spec and prints its plan (docs/launcher.md, \"Job specs\")");
   const control::GroupSpec& training = spec.training();
   args.program = training.command;
   if (args.nproc_per_node < 0) args.nproc_per_node = training.procs_per_node;
@@ -123,6 +115,7 @@ void apply_job_spec(RunArgs& args, const control::JobSpec& spec) {
 }
 
 int run(RunArgs args) {
+  std::optional<control::JobSpec> job;
   if (!args.job.empty()) {
     const control::JobSpec spec = control::parse_job_spec(args.job);
     if (args.check) {
@@ -130,6 +123,7 @@ int run(RunArgs args) {
       return 0;
     }
     apply_job_spec(args, spec);
+    job = spec;
   }
   LOOM_CHECK(!args.program.empty(), InvalidArgument,
              "give the program and its arguments after --, or a job spec with --job FILE");
@@ -209,6 +203,7 @@ int run(RunArgs args) {
   o.straggler_window = args.straggler_window;
   o.hang_factor = args.hang_factor;
   o.hang_min_seconds = args.hang_min_seconds;
+  o.job = std::move(job);
   return control::run_agent(o);
 }
 

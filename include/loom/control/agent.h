@@ -8,10 +8,12 @@
 
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "loom/control/coordinator.h"
+#include "loom/control/job_spec.h"
 #include "loom/control/tls.h"
 #include "loom/visibility.h"
 
@@ -50,6 +52,12 @@ struct AgentOptions {
   size_t straggler_window = CoordinatorOptions{}.straggler_window;
   double hang_factor = CoordinatorOptions{}.hang_factor;
   double hang_min_seconds = CoordinatorOptions{}.hang_min_seconds;
+  // A job spec's services (`loom run --job`): this node's are started in start order before the
+  // first generation's workers, each waited for until healthy, restarted alone under their
+  // policies, published in the store as services/<name>/<replica> and to the workers as
+  // LOOM_SERVICE_<NAME>, and stopped after the workers at the end of the job. The spec's
+  // training group is `program` and nproc_per_node. Unset: no services.
+  std::optional<JobSpec> job;
 };
 
 // Runs the job on this node until it finishes, fails or is stopped by SIGINT/SIGTERM (which it

@@ -1,0 +1,65 @@
+// The services of a job spec that run on one node, beside its training workers: started in
+// start order, each waited for until its health check passes, restarted alone under its policy
+// (with backoff and a budget), published for discovery, and stopped after the workers. The
+// `loom run` agent drives it from its one thread. Private to Loom.
+#pragma once
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/control/job_spec.h"
+#include "util/subprocess.h"
+
+namespace loom::control {
+
+class ServiceSupervisor {
+ public:
+  // Publishes an endpoint: key "services/<name>/<replica>", value "host:port" (or "host" for a
+  // service without a port); called again after a restart.
+  using Publish = std::function<void(const std::string& key, const std::string& value)>;
+
+  // The services of `spec` (not its training group) that node `node` runs
+  // (JobSpec::processes_on). Logs go to <run_dir>/logs/<name>_<replica>.out, the state of
+  // every process to <run_dir>/services_node<node>.json.
+  ServiceSupervisor(const JobSpec& spec, int node, std::filesystem::path run_dir, std::string host,
+                    Publish publish);
+  ~ServiceSupervisor();
+  ServiceSupervisor(const ServiceSupervisor&) = delete;
+  ServiceSupervisor& operator=(const ServiceSupervisor&) = delete;
+
+  // Starts every process of this node in start order, each waited for until healthy (tcp: the
+  // port accepts a connection; http: the path answers 2xx; otherwise: started) before the next.
+  // Error naming the service, replica, check and timeout when one is not ready in time, or exits
+  // while being waited for.
+  void start();
+  // Restarts the processes that exited, each under its policy and backoff. Returns the reason
+  // the job must fail when a process is down for good (restart "never" after a failure, or its
+  // max_restarts used up); nullopt otherwise. Never blocks on a process.
+  std::optional<std::string> poll();
+  // SIGTERM to every process in reverse start order, SIGKILL after `grace`.
+  void stop(std::chrono::milliseconds grace);
+
+  // LOOM_SERVICE_<NAME> ("host:port,host:port" of the replicas on this node) for the workers.
+  std::map<std::string, std::string> env() const;
+  // Restarts so far, for the log and tests.
+  int restarts() const;
+
+ private:
+  struct Process;
+  void launch(Process& p);
+  void wait_ready(Process& p);
+  void write_state() const;
+
+  std::vector<Process> processes_;  // in start order
+  int node_ = 0;
+  std::filesystem::path run_dir_;
+  std::string host_;
+  Publish publish_;
+};
+
+}  // namespace loom::control
