@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
-#include <set>
 #include <thread>
 
 #include "bench_train.h"

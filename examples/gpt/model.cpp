@@ -162,15 +162,18 @@ std::vector<std::string> GptImpl::keep_layers(
     first = first || begin == 0;
     last = last || end == config_.n_layer;
   }
-  auto drop = [this](torch::nn::Module& module, const std::string& name) {
+  auto free = [](torch::nn::Module& module) {  // its memory, now that no forward uses it
     for (at::Tensor& t : module.parameters()) t.set_data(torch::empty({0}, t.options()));
+  };
+  auto drop = [&](torch::nn::Module& module, const std::string& name) {
+    free(module);
     unregister_module(name);
   };
   const auto children = blocks->named_children();
   auto element = blocks->begin();
   for (size_t i = 0; i < kept.size(); ++i, ++element) {
     if (kept[i]) continue;
-    for (at::Tensor& t : element->ptr()->parameters()) t.set_data(torch::empty({0}, t.options()));
+    free(*element->ptr());
     torch::nn::Identity empty;
     *element = torch::nn::AnyModule(empty);
     blocks->replace_module(children[i].key(), empty.ptr());

@@ -64,6 +64,16 @@ std::string what_of(const std::exception_ptr& error) {
   }
 }
 
+// Appends the reads that fill `dest` (a tensor's bytes of `element_size`-byte elements) with the
+// runs of `region`, one after the other, from `record`.
+void add_reads(std::vector<StepReader::Request>& reads, const TensorRecord* record,
+               const Region& region, char* dest, int64_t element_size) {
+  for (const Run& run : region.runs) {
+    reads.push_back({record, run.begin, run.end, dest});
+    dest += (run.end - run.begin) * element_size;
+  }
+}
+
 }  // namespace
 
 // One save, shared by the training thread, the writer thread and the handles.
@@ -863,12 +873,8 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     at::Tensor& t = state.tensors[i].tensor;
     const auto& [record, region] = plan[i];
-    if (!t.device().is_cpu() || !t.is_contiguous()) continue;
-    char* dest = static_cast<char*>(t.data_ptr());
-    for (const Run& run : region.runs) {
-      in_place.push_back({record, run.begin, run.end, dest});
-      dest += (run.end - run.begin) * t.element_size();
-    }
+    if (t.device().is_cpu() && t.is_contiguous())
+      add_reads(in_place, record, region, static_cast<char*>(t.data_ptr()), t.element_size());
   }
   reader.read(in_place, load_options.verify);
   // The others one at a time through a host tensor.
@@ -888,13 +894,9 @@ int64_t Checkpointer::Impl::load_step(int64_t step, State& state, const LoadOpti
     } else {
       target = at::empty(t.sizes(), t.options().device(at::kCPU));
     }
-    std::vector<StepReader::Request> requests;
-    char* dest = static_cast<char*>(target.data_ptr());
-    for (const Run& run : region.runs) {
-      requests.push_back({record, run.begin, run.end, dest});
-      dest += (run.end - run.begin) * target.element_size();
-    }
-    reader.read(requests, load_options.verify);
+    std::vector<StepReader::Request> reads;
+    add_reads(reads, record, region, static_cast<char*>(target.data_ptr()), target.element_size());
+    reader.read(reads, load_options.verify);
     t.copy_(target);
   }
   for (auto& [name, text] : state.blobs) text = reader.manifest().blobs.at(name);

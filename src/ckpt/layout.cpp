@@ -52,11 +52,13 @@ Region block_region(const TensorEntry& e) {
   size_t cut = 0;
   for (size_t d = 0; d < dims; ++d)
     if (s.sizes[d] != view[d]) cut = d;
-  const int64_t run = dims == 0 ? 1 : s.sizes[cut] * product(view, cut + 1);
+  std::vector<int64_t> stride(dims, 1);  // the view's row-major strides
+  for (size_t d = dims; d-- > 1;) stride[d - 1] = stride[d] * view[d];
+  const int64_t run = dims == 0 ? 1 : s.sizes[cut] * stride[cut];
   std::vector<int64_t> index(cut, 0);  // over dims [0, cut)
   for (int64_t local = 0; local < box; local += run) {
-    int64_t start = dims == 0 ? 0 : s.offsets[cut] * product(view, cut + 1);
-    for (size_t d = 0; d < cut; ++d) start += (s.offsets[d] + index[d]) * product(view, d + 1);
+    int64_t start = dims == 0 ? 0 : s.offsets[cut] * stride[cut];
+    for (size_t d = 0; d < cut; ++d) start += (s.offsets[d] + index[d]) * stride[d];
     const int64_t lo = std::max(local, s.begin), hi = std::min(local + run, s.end);
     if (lo < hi) {
       const Run piece{start + (lo - local), start + (hi - local)};

@@ -237,7 +237,8 @@ class Agent {
         // Services start once, on the first generation this node joins, before its workers.
         services_ = std::make_unique<ServiceSupervisor>(
             *options_.job, static_cast<int>(node_rank_), options_.run_dir, advertise_,
-            [this](const std::string& key, const std::string& value) { store_->set(key, value); });
+            [this](const std::string& key, const std::string& value) { store_->set(key, value); },
+            [](const std::string& line) { say(line); });
         try {
           services_->start();
         } catch (const Error& e) {

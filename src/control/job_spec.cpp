@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -43,12 +44,14 @@ class Reader {
     return std::string(node->as_string()->get());
   }
 
-  int64_t integer(const std::string& key, int64_t fallback, int64_t min) {
+  int64_t integer(const std::string& key, int64_t fallback, int64_t min,
+                  int64_t max = std::numeric_limits<int>::max()) {
     const toml::node* node = get(key);
     if (node == nullptr) return fallback;
     if (!node->is_integer()) fail(*node, key, "must be an integer");
     const int64_t value = node->as_integer()->get();
-    if (value < min) fail(*node, key, concat("is ", value, "; it must be at least ", min));
+    if (value < min || value > max)
+      fail(*node, key, concat("is ", value, "; it must be in [", min, ", ", max, "]"));
     return value;
   }
 
@@ -145,16 +148,16 @@ Health parse_health(Reader& r) {
            "{ http = \"/path\", port = PORT } or "
            "{ heartbeat = true }");
   Reader inner(r.file(), *node->as_table(), r.prefix() + "health.");
-  const int64_t tcp = inner.integer("tcp", 0, 1);
+  const int64_t tcp = inner.integer("tcp", 0, 1, 65535);
   const std::string http = inner.string("http", "");
-  const int64_t port = inner.integer("port", 0, 1);
+  const int64_t port = inner.integer("port", 0, 1, 65535);
   const toml::node* beat = inner.get("heartbeat");
   inner.check_unknown("tcp, http, port and heartbeat");
   const int kinds = (tcp > 0) + !http.empty() + (beat != nullptr);
   if (kinds != 1) r.fail(*node, "health", "needs exactly one of tcp, http and heartbeat");
   if (tcp > 0) {
     h.kind = Health::Kind::kTcp;
-    h.port = static_cast<int>(std::min<int64_t>(tcp, 65535));
+    h.port = static_cast<int>(tcp);
   } else if (!http.empty()) {
     if (port == 0) r.fail(*node, "health", "http needs a port");
     h.kind = Health::Kind::kHttp;
@@ -420,11 +423,12 @@ JobSpec parse_job_spec(const std::filesystem::path& file) {
 
 std::string describe_plan(const JobSpec& spec) {
   std::ostringstream out;
+  const std::vector<std::string> order = spec.start_order();
   out << spec.file.string() << ": " << spec.groups.size() << " group(s) on " << spec.nodes
       << " node(s); start order:";
-  for (const std::string& name : spec.start_order()) out << " " << name;
+  for (const std::string& name : order) out << " " << name;
   out << "\n";
-  for (const std::string& name : spec.start_order()) {
+  for (const std::string& name : order) {
     const GroupSpec& g = *spec.find(name);
     out << "  " << g.name << (g.training ? " (training)" : "") << ": ";
     for (size_t i = 0; i < g.command.size(); ++i) out << (i ? " " : "") << g.command[i];

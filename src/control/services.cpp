@@ -11,7 +11,6 @@
 #include <csignal>
 #include <cstring>
 #include <fstream>
-#include <iostream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -96,8 +95,6 @@ std::string env_name(const std::string& service) {
   return out;
 }
 
-void say(const std::string& line) { std::cerr << "[loom run] " << line << std::endl; }
-
 }  // namespace
 
 struct ServiceSupervisor::Process {
@@ -115,11 +112,12 @@ struct ServiceSupervisor::Process {
 };
 
 ServiceSupervisor::ServiceSupervisor(const JobSpec& spec, int node, std::filesystem::path run_dir,
-                                     std::string host, Publish publish)
+                                     std::string host, Publish publish, Say say)
     : node_(node),
       run_dir_(std::move(run_dir)),
       host_(std::move(host)),
-      publish_(std::move(publish)) {
+      publish_(std::move(publish)),
+      say_(std::move(say)) {
   for (const auto& [name, replica] : spec.processes_on(node)) {
     const GroupSpec& group = *spec.find(name);
     if (group.training) continue;
@@ -172,8 +170,8 @@ void ServiceSupervisor::start() {
   for (Process& p : processes_) {
     launch(p);
     wait_ready(p);
-    say(detail::concat("service ", p.name(), " ready (pid ", p.process->pid(), ", ",
-                       describe(p.group.health), ")"));
+    say_(detail::concat("service ", p.name(), " ready (pid ", p.process->pid(), ", ",
+                        describe(p.group.health), ")"));
   }
   write_state();
 }
@@ -192,8 +190,8 @@ std::optional<std::string> ServiceSupervisor::poll() {
                            (p.group.restart == RestartPolicy::kOnFailure && !status->ok());
       if (!restart) {
         if (status->ok()) {
-          say(detail::concat("service ", p.name(), " exited with code 0; not restarted (restart ",
-                             to_string(p.group.restart), ")"));
+          say_(detail::concat("service ", p.name(), " exited with code 0; not restarted (restart ",
+                              to_string(p.group.restart), ")"));
           p.done = true;
           continue;
         }
@@ -211,8 +209,8 @@ std::optional<std::string> ServiceSupervisor::poll() {
       const double backoff =
           p.group.backoff_seconds * static_cast<double>(1 << std::min(p.restarts, 10));
       p.restart_at = Clock::now() + milliseconds(static_cast<int64_t>(backoff * 1000));
-      say(detail::concat("service ", p.name(), " ", status->describe(), "; restarting it in ",
-                         backoff, " s (", p.restarts + 1, " of ", p.group.max_restarts, ")"));
+      say_(detail::concat("service ", p.name(), " ", status->describe(), "; restarting it in ",
+                          backoff, " s (", p.restarts + 1, " of ", p.group.max_restarts, ")"));
     }
     if (p.last_exit && Clock::now() >= p.restart_at) {
       ++p.restarts;
@@ -224,8 +222,8 @@ std::optional<std::string> ServiceSupervisor::poll() {
         write_state();
         return detail::concat("restarting ", e.what());
       }
-      say(detail::concat("service ", p.name(), " restarted and ready (pid ", p.process->pid(),
-                         ")"));
+      say_(detail::concat("service ", p.name(), " restarted and ready (pid ", p.process->pid(),
+                          ")"));
       changed = true;
     }
   }
@@ -244,8 +242,8 @@ void ServiceSupervisor::stop(milliseconds grace) {
     it->last_exit = it->process->wait_for(util::time_left(deadline));
     if (it->last_exit) it->exited = it->last_exit->describe();
     if (!it->last_exit) {
-      say(detail::concat("service ", it->name(), " did not stop within ", grace.count(),
-                         " ms: SIGKILL"));
+      say_(detail::concat("service ", it->name(), " did not stop within ", grace.count(),
+                          " ms: SIGKILL"));
       it->process->signal(SIGKILL);
       it->last_exit = it->process->wait();
       it->exited = it->last_exit->describe();
@@ -291,7 +289,7 @@ void ServiceSupervisor::write_state() const {
     util::write_file_atomic(run_dir_ / detail::concat("services_node", node_, ".json"),
                             out.dump(1) + "\n", util::Durability::kAtomicOnly);
   } catch (const Error& e) {
-    say(detail::concat("cannot write the services' state: ", e.what()));
+    say_(detail::concat("cannot write the services' state: ", e.what()));
   }
 }
 

@@ -22,12 +22,14 @@ class ServiceSupervisor {
   // Publishes an endpoint: key "services/<name>/<replica>", value "host:port" (or "host" for a
   // service without a port); called again after a restart.
   using Publish = std::function<void(const std::string& key, const std::string& value)>;
+  // Writes one line of the agent's own output ("[loom run] ..."): starts, restarts, stops.
+  using Say = std::function<void(const std::string& line)>;
 
   // The services of `spec` (not its training group) that node `node` runs
   // (JobSpec::processes_on). Logs go to <run_dir>/logs/<name>_<replica>.out, the state of
   // every process to <run_dir>/services_node<node>.json.
   ServiceSupervisor(const JobSpec& spec, int node, std::filesystem::path run_dir, std::string host,
-                    Publish publish);
+                    Publish publish, Say say);
   ~ServiceSupervisor();
   ServiceSupervisor(const ServiceSupervisor&) = delete;
   ServiceSupervisor& operator=(const ServiceSupervisor&) = delete;
@@ -60,6 +62,7 @@ class ServiceSupervisor {
   std::filesystem::path run_dir_;
   std::string host_;
   Publish publish_;
+  Say say_;
 };
 
 }  // namespace loom::control

@@ -174,10 +174,6 @@ struct DataParallel::Impl {
        const DataParallelOptions& o)
       : module(std::move(m)), group(g), control(c), options(o), rank(g.rank()), world(g.size()) {}
 
-  bool model_parallel() const {
-    return options.model_parallel.active() || !options.model_parallel.tied.empty();
-  }
-
   at::TensorOptions on_device(at::ScalarType dtype) const {
     return at::TensorOptions().dtype(dtype).device(device);
   }
@@ -209,7 +205,8 @@ struct DataParallel::Impl {
     std::unordered_set<const void*> seen;  // a parameter shared by two modules counts once
     std::string first;
     std::map<std::string, internal::Placement> placed;
-    if (model_parallel()) placed = internal::placements(*module, options.model_parallel);
+    if (options.model_parallel.active())
+      placed = internal::placements(*module, options.model_parallel);
     for (const auto& item : module->named_parameters(/*recurse=*/true)) {
       const at::Tensor& t = item.value();
       if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
@@ -583,7 +580,7 @@ struct DataParallel::Impl {
       at::Tensor slice = options.zero_stage == ZeroStage::kTwo
                              ? bucket.grad_shard
                              : bucket.grad.narrow(0, rank * chunk, chunk);
-      if (!model_parallel()) {
+      if (!options.model_parallel.active()) {
         slices.push_back(slice);
         continue;
       }
@@ -599,7 +596,8 @@ struct DataParallel::Impl {
     at::Tensor total = slices.empty() ? at::zeros({1}, on_device(at::kDouble))
                                       : optim::internal::sum_of_squares(slices);
     group.all_reduce(total, {comm::ReduceOp::kSum, options.timeout})->wait(options.timeout);
-    if (model_parallel()) internal::sum_over_model(total, options.model_parallel, options.timeout);
+    if (options.model_parallel.active())
+      internal::sum_over_model(total, options.model_parallel, options.timeout);
     // The one host read of clipping, and unavoidable: the caller gets the norm (to log it and
     // to decide about a non-finite one) and the coefficient is computed from it as torch does.
     // On CUDA it waits for the all-reduce, which finish_gradient_sync has already waited for.

@@ -379,15 +379,12 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     }
   }
 
-  bool model_parallel() const {
-    return options.model_parallel.active() || !options.model_parallel.tied.empty();
-  }
-
   void collect_parameters() {
     std::unordered_map<const void*, std::pair<int, std::string>> owner;  // impl -> unit, name
     std::string first;
     std::map<std::string, internal::Placement> placed;
-    if (model_parallel()) placed = internal::placements(*module, options.model_parallel);
+    if (options.model_parallel.active())
+      placed = internal::placements(*module, options.model_parallel);
     for (const auto& item : module->named_parameters(/*recurse=*/true)) {
       const at::Tensor& t = item.value();
       if (!t.requires_grad()) continue;
@@ -884,8 +881,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       const Unit& unit = units[p.unit];
       LOOM_CHECK(unit.full_grad.defined(), InvalidArgument, "FSDP on rank ", rank,
                  ": the tied parameter '", p.name,
-                 "' got no gradient before "
-                 "reduce_accumulated_gradients");
+                 "' got no gradient before reduce_accumulated_gradients");
       tied.emplace_back(grad_view(unit, p), p.placement->tied);
     }
     internal::sum_tied_gradients(tied, options.timeout);
@@ -894,8 +890,8 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
       Unit& unit = units[u];
       LOOM_CHECK(unit.full_grad.defined() && !unit.in_backward, InvalidArgument, "FSDP on rank ",
                  rank, ": ", describe_unit(u),
-                 " has no complete accumulated gradient; run every "
-                 "backward under no_sync() before reduce_accumulated_gradients");
+                 " has no complete accumulated gradient; run every backward under no_sync() "
+                 "before reduce_accumulated_gradients");
       unit.ready_to_reduce = true;
     }
     any_gradient = any_gradient || !units.empty();
@@ -926,7 +922,7 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     torch::NoGradGuard no_grad;
     std::vector<at::Tensor> shards;
     for (Unit& unit : units) {
-      if (!model_parallel()) {
+      if (!options.model_parallel.active()) {
         shards.push_back(unit.grad_shard);
         continue;
       }
@@ -942,7 +938,8 @@ struct FullyShardedDataParallel::Impl final : BackwardHooks {
     at::Tensor total = shards.empty() ? at::zeros({1}, on_device(at::kDouble))
                                       : optim::internal::sum_of_squares(shards);
     group.all_reduce(total, {comm::ReduceOp::kSum, options.timeout})->wait(options.timeout);
-    if (model_parallel()) internal::sum_over_model(total, options.model_parallel, options.timeout);
+    if (options.model_parallel.active())
+      internal::sum_over_model(total, options.model_parallel, options.timeout);
     const double norm = std::sqrt(total.item<double>());
     // As torch::nn::utils::clip_grad_norm_ and DataParallel: the coefficient in float.
     const double coefficient = std::min(

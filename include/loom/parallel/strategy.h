@@ -56,8 +56,9 @@ struct ModelParallel {
   };
   std::vector<Tied> tied;
 
+  // Whether any of it applies: a tp or pp group of more than one rank, or a tied parameter.
   bool active() const {
-    return (tp != nullptr && tp->size() > 1) || (pp != nullptr && pp->size() > 1);
+    return (tp != nullptr && tp->size() > 1) || (pp != nullptr && pp->size() > 1) || !tied.empty();
   }
 };
 

@@ -191,6 +191,8 @@ TEST_F(JobSpecs, BadSpecsNameTheFileTheLineAndTheKey) {
   EXPECT_EQ(
       error(train + "[group.data]\ncommand = [\"d\"]\nhealth = { tcp = 1, heartbeat = true }\n"),
       file + ":6: group.data.health: needs exactly one of tcp, http and heartbeat");
+  EXPECT_EQ(error(train + "[group.data]\ncommand = [\"d\"]\nhealth = { tcp = 70000 }\n"),
+            file + ":6: group.data.health.tcp: is 70000; it must be in [1, 65535]");
   EXPECT_EQ(error(train + "[group.data]\ncommand = [\"d\"]\nafter = [\"train\"]\n"),
             file +
                 ":1: group.train: the training group cannot be waited for (services start "
