@@ -2,6 +2,7 @@
 #include "control/heartbeat.h"
 #include "loom/control/coordinator.h"
 #include "loom/control/store.h"
+#include "loom/data/service.h"
 #include "loom/error.h"
 
 namespace loom::control {
@@ -9,7 +10,7 @@ namespace {
 [[noreturn]] void unavailable() {
   throw InvalidArgument(
       "this Loom was built without the gRPC control plane (LOOM_WITH_GRPC=OFF); "
-      "rebuild with -DLOOM_WITH_GRPC=ON to use loom run and the coordinator");
+      "rebuild with -DLOOM_WITH_GRPC=ON to use loom run, the coordinator and the data service");
 }
 }  // namespace
 
@@ -48,3 +49,26 @@ void Heartbeat::update(int64_t, double, const std::string&) {}
 void Heartbeat::add_step(const StepSample&) {}
 
 }  // namespace loom::control
+
+namespace loom::data {
+
+struct DataServer::Impl {};
+DataServer::DataServer(DataServerOptions) { control::unavailable(); }
+DataServer::~DataServer() = default;
+const std::string& DataServer::address() const { control::unavailable(); }
+DataServerStats DataServer::stats() const { control::unavailable(); }
+void DataServer::shutdown() {}
+
+struct ServiceReader::Impl {};
+ServiceReader::ServiceReader(std::string, ReaderOptions, ServiceReaderOptions) {
+  control::unavailable();
+}
+ServiceReader::~ServiceReader() = default;
+Batch ServiceReader::next() { control::unavailable(); }
+int64_t ServiceReader::batch_size() const { control::unavailable(); }
+std::string ServiceReader::state_json() const { control::unavailable(); }
+void ServiceReader::restore_json(const std::string&) { control::unavailable(); }
+const ReaderOptions& ServiceReader::options() const { control::unavailable(); }
+ServiceReaderStats ServiceReader::stats() const { control::unavailable(); }
+
+}  // namespace loom::data

@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/reader_options_json.h"
 #include "loom/error.h"
 #include "util/files.h"
 
@@ -15,21 +16,10 @@ using nlohmann::json;
 // A reader's entry: what it reads and the options a position depends on.
 json entry_json(const std::string& dataset, const std::string& dir, const std::string& version,
                 const ReaderOptions& o) {
-  return {{"dataset", dataset},
-          {"dir", dir},
-          {"version", version},
-          {"batch_size", o.batch_size},
-          {"seq_len", o.seq_len},
-          {"sampling", o.sampling == TokenSampling::kDocument ? "document" : "packed"},
-          {"pad_id", o.pad_id},
-          {"seed", o.seed},
-          {"world_size", o.world_size},
-          {"epoch_end", o.epoch_end == EpochEnd::kPad ? "pad" : "drop"},
-          {"episode_sampling",
-           o.episode_sampling == EpisodeSampling::kTransition ? "transition" : "episode"},
-          {"gamma", o.gamma},
-          {"gae_lambda", o.gae_lambda},
-          {"image_channels", o.image_channels}};
+  json entry = {{"dataset", dataset}, {"dir", dir}, {"version", version}};
+  entry.update(reader_options_json(o));
+  entry.erase("rank");  // rank 0's, the same on every rank but this
+  return entry;
 }
 
 // A mixture's entry: its first source's, with the mixture's options and every source.
@@ -104,20 +94,7 @@ std::vector<RunReader> run_readers(const fs::path& run_dir) {
       r.dataset = e.at("dataset").get<std::string>();
       r.dir = e.at("dir").get<std::string>();
       r.version = e.at("version").get<std::string>();
-      ReaderOptions& o = r.options;
-      o.batch_size = e.at("batch_size").get<int64_t>();
-      o.seq_len = e.at("seq_len").get<int64_t>();
-      o.sampling =
-          e.at("sampling") == "document" ? TokenSampling::kDocument : TokenSampling::kPacked;
-      o.pad_id = e.at("pad_id").get<int64_t>();
-      o.seed = e.at("seed").get<uint64_t>();
-      o.world_size = e.at("world_size").get<int>();
-      o.epoch_end = e.at("epoch_end") == "pad" ? EpochEnd::kPad : EpochEnd::kDropLast;
-      o.episode_sampling = e.at("episode_sampling") == "transition" ? EpisodeSampling::kTransition
-                                                                    : EpisodeSampling::kEpisode;
-      o.gamma = e.at("gamma").get<double>();
-      o.gae_lambda = e.at("gae_lambda").get<double>();
-      o.image_channels = e.at("image_channels").get<int>();
+      r.options = reader_options_from_json(e);
       if (e.contains("mixture")) {
         for (const json& m : e.at("mixture")) {
           r.mixture.push_back({m.at("dataset").get<std::string>(), m.at("dir").get<std::string>(),

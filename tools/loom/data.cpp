@@ -633,6 +633,7 @@ void register_data(CLI::App& app, Action& action) {
   register_data_build(*data, action);
   register_data_registry(*data, action);
   register_data_serve(*data, action);
+  register_data_service(*data, action);
 
   auto verify_dir = std::make_shared<std::string>();
   CLI::App* verify = data->add_subcommand("verify", "Check every shard hash and record checksum.");

@@ -63,6 +63,9 @@ std::unique_ptr<data::Mixture> mixture_at(const DataPosition& position, int rank
 // `loom data serve DATASET` (data_serve.cpp), added under `data`.
 void register_data_serve(CLI::App& data, Action& action);
 
+// `loom data service` (data_service.cpp), added under `data`.
+void register_data_service(CLI::App& data, Action& action);
+
 // `loom data build text|fashion-mnist|jsonl|images|webdataset` (data_build.cpp), added under
 // `data`.
 void register_data_build(CLI::App& data, Action& action);
