@@ -74,7 +74,8 @@ TEST(ServiceCli, StartListLogsAndStop) {
   const std::optional<control::ServiceRecord> web = control::ServiceRegistry(services).find("web");
   ASSERT_TRUE(web.has_value());
   EXPECT_TRUE(control::ServiceRegistry::alive(*web));
-  EXPECT_EQ(::getsid(web->pid), web->pid) << "a session of its own";
+  EXPECT_NE(::getsid(web->pid), ::getsid(0)) << "a session of its own";
+  EXPECT_EQ(::getpgid(web->pid), web->pid) << "a process group of its own";
 
   // Already running: an error naming its pid and what to do.
   run = run_loom(dir, {"service", "start", "web", "--dir", services, "--port", p, "--", "true"});
