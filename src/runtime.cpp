@@ -2,10 +2,13 @@
 // process-wide torch settings (threads, seed, determinism).
 #include "loom/runtime.h"
 
+#include <unistd.h>
+
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -15,6 +18,7 @@
 #include <utility>
 
 #include "control/heartbeat.h"
+#include "control/service_keys.h"
 #include "data/run_readers.h"
 #include "loom/comm/flight_recorder.h"
 #include "loom/comm/gloo.h"
@@ -103,6 +107,14 @@ Topology Topology::from_env() {
   t.snapshot_dir = env_str("LOOM_SNAPSHOT_DIR");
   t.store_dir = env_str("LOOM_STORE_DIR");
   t.advertise_addr = env_str("LOOM_ADVERTISE_ADDR");
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string var = *e;
+    const auto eq = var.find('=');
+    const std::string key = var.substr(0, eq);
+    if (key.rfind("LOOM_SERVICE_", 0) != 0 || eq == std::string::npos) continue;
+    if (key == "LOOM_SERVICE_NAME" || key == "LOOM_SERVICE_REPLICA") continue;
+    t.services[key] = var.substr(eq + 1);
+  }
   if (t.coordinator.empty() && !env_str("MASTER_ADDR").empty()) {
     std::string port = env_str("MASTER_PORT");
     LOOM_CHECK(!port.empty(), InvalidArgument, "MASTER_ADDR is set but MASTER_PORT is not");
@@ -139,6 +151,7 @@ struct Runtime::Impl {
   std::mutex create_mutex;
   std::mutex mutex;
   std::unique_ptr<comm::Store> base_store;
+  bool store_attached = false;  // constant after construction
   std::unique_ptr<comm::Store> owned_store;
   comm::Store* store = nullptr;  // owned_store, or an attached one
   std::unique_ptr<comm::Group> world_group;
@@ -257,6 +270,7 @@ Runtime Runtime::init(const Config& config, const Topology& topology, bool confi
   }
   auto impl = std::make_unique<Impl>();
   impl->store = attachments.store;
+  impl->store_attached = attachments.store != nullptr;
   impl->world_group = std::move(attachments.world_group);
   impl->control_group = std::move(attachments.control_group);
   impl->topology = topology;
@@ -497,6 +511,96 @@ std::unique_ptr<data::Mixture> Runtime::open_mixture(std::vector<data::MixtureSo
   auto mixture = std::make_unique<data::Mixture>(std::move(sources), options);
   if (rank() == 0) data::record_run_mixture(impl_->run_dir, *mixture);
   return mixture;
+}
+
+namespace {
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    if (comma > start) out.push_back(text.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::string join_list(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "none" : out;
+}
+
+}  // namespace
+
+std::vector<std::string> Runtime::service(const std::string& name,
+                                          std::chrono::milliseconds timeout) const {
+  const Topology& t = impl_->topology;
+  if (!impl_->store_attached && (t.generation <= 0 || t.coordinator.empty())) {
+    const auto it = t.services.find(control::service_env_name(name));
+    if (it == t.services.end()) {
+      std::vector<std::string> vars;
+      for (const auto& [var, value] : t.services) vars.push_back(var);
+      throw InvalidArgument(detail::concat(
+          "no service named '", name, "': ", control::service_env_name(name),
+          " is not set (not under `loom run`; the LOOM_SERVICE_* variables set: ", join_list(vars),
+          ")"));
+    }
+    return split_list(it->second);
+  }
+  store();  // creates the base store under `loom run`
+  comm::Store* base = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    base = impl_->base_store ? impl_->base_store.get() : impl_->store;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto left = [&] {
+    return std::max(std::chrono::milliseconds(0),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now()));
+  };
+  std::string names;
+  try {
+    names = base->get(control::kServicesKey, left());
+  } catch (const Timeout&) {
+    throw Timeout(detail::concat("looking for service '", name,
+                                 "': the coordinator's store holds no list of the job's services "
+                                 "after ",
+                                 timeout.count(), " ms (is this a `loom run` job?)"));
+  }
+  const std::vector<std::string> services = split_list(names);
+  LOOM_CHECK(std::find(services.begin(), services.end(), name) != services.end(), InvalidArgument,
+             "no service named '", name, "' in the job; its services: ", join_list(services),
+             services.empty() ? " (start it with `loom run --job FILE`)" : "");
+  const std::string count_key = control::service_count_key(name);
+  int count = 0;
+  try {
+    count = std::stoi(base->get(count_key, left()));
+  } catch (const Timeout&) {
+    throw Timeout(detail::concat("service '", name, "' published no replicas within ",
+                                 timeout.count(), " ms (", count_key,
+                                 " is missing): is its node's `loom run` still starting it?"));
+  } catch (const std::logic_error&) {
+    throw CorruptData(detail::concat("the coordinator's store holds a malformed ", count_key));
+  }
+  std::vector<std::string> endpoints;
+  for (int replica = 0; replica < count; ++replica) {
+    try {
+      endpoints.push_back(base->get(control::service_replica_key(name, replica), left()));
+    } catch (const Timeout&) {
+      std::vector<std::string> missing;
+      for (int r = replica; r < count; ++r) {
+        if (!base->check({control::service_replica_key(name, r)}))
+          missing.push_back(std::to_string(r));
+      }
+      throw Timeout(detail::concat("service '", name, "': replica(s) ", join_list(missing), " of ",
+                                   count, " not ready within ", timeout.count(),
+                                   " ms (see <run-dir>/services_node<N>.json and its logs)"));
+    }
+  }
+  return endpoints;
 }
 
 }  // namespace loom

@@ -15,9 +15,11 @@
 
 #include <c10/core/Device.h>
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -75,6 +77,11 @@ struct LOOM_API Topology {
   // LOOM_ADVERTISE_ADDR: the address the other nodes reach this one by, which `loom run` sets;
   // empty: 127.0.0.1 (one node).
   std::string advertise_addr;
+  // LOOM_SERVICE_<NAME>: the endpoints ("host:port,host:port") of the job spec's services that
+  // `loom run` gives a worker (its node's replicas), or that any launcher may set; keyed by the
+  // variable's name (LOOM_SERVICE_NAME and LOOM_SERVICE_REPLICA, a service's own identity, are
+  // left out). Runtime::service() reads them when not under `loom run`.
+  std::map<std::string, std::string> services;
 
   // Every field from the environment, read once here: Runtime reads none later.
   static Topology from_env();
@@ -175,6 +182,16 @@ class LOOM_API Runtime {
   // metrics::MetricsLogger::log_step calls it; a loop without one may. Thread-safe; a no-op
   // otherwise.
   void report_step(const metrics::StepMetrics& step) const;
+  // The endpoints ("host:port", or "host" for a service without a port) of every replica of
+  // the job spec's service `name`, in replica order (docs/launcher.md, "Job specs"). Under
+  // `loom run` (or with an attached store) from the coordinator's store, unscoped by generation:
+  // the services of every node, as their supervisors published them (a restart publishes
+  // again); otherwise from LOOM_SERVICE_<NAME> (Topology::services). Waits up to `timeout` for
+  // replicas not yet published (a service still starting); Timeout naming the service and the
+  // replicas missing then. A name the job has no service of is InvalidArgument naming it and
+  // the services there are, at once when the job's list of services is published. Thread-safe.
+  std::vector<std::string> service(
+      const std::string& name, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const;
 
  private:
   struct LOOM_HIDDEN Impl;

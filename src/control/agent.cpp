@@ -19,6 +19,8 @@
 #include <thread>
 
 #include "control/client.h"
+#include "control/service_keys.h"
+#include "control/service_registry.h"
 #include "control/services.h"
 #include "control/snapshot_memory.h"
 #include "control/snapshot_replication.h"
@@ -226,6 +228,7 @@ class Agent {
       if (!round) return 128 + g_stop_signal.load();
       if (round->outcome() != v1::JOIN_ADMITTED) return finish_without_round(*round);
       generation_ = round->generation();
+      if (first_generation_ == 0) first_generation_ = generation_;
       node_rank_ = round->node_rank();
       nnodes_ = round->nnodes();
       publish_snapshot_server();
@@ -233,28 +236,15 @@ class Agent {
           round->nnodes(), ", ranks ", round->rank_offset(), "-",
           round->rank_offset() + options_.nproc_per_node - 1, " of world size ",
           round->world_size());
-      if (options_.job && !services_) {
-        // Services start once, on the first generation this node joins, before its workers.
-        services_ = std::make_unique<ServiceSupervisor>(
-            *options_.job, static_cast<int>(node_rank_), options_.run_dir, advertise_,
-            [this](const std::string& key, const std::string& value) { store_->set(key, value); },
-            [](const std::string& line) { say(line); });
-        try {
-          services_->start();
-        } catch (const Error& e) {
-          say(e.what());
-          leave(false, 1, e.what());
-          services_->stop(options_.grace);
-          return linger(1);
-        }
-      }
+      if (const std::optional<int> failed = start_services()) return *failed;
       const Outcome outcome = run_generation(*round);
       if (outcome.exit_code >= 0) {
         if (services_) services_->stop(options_.grace);  // after the workers
         return linger(outcome.exit_code);
       }
-      // The generation ended: re-join, at once the first time (a fast recovery), then after a
-      // back-off that grows with repeated failures.
+      // The generation ended: its services stop with its workers, then re-join, at once the
+      // first time (a fast recovery), then after a back-off that grows with repeated failures.
+      if (services_) services_->stop_generation(options_.grace);
       std::this_thread::sleep_for(std::min(milliseconds(200) * failures_seen, milliseconds(3000)));
       ++failures_seen;
     }
@@ -264,6 +254,38 @@ class Agent {
   struct Outcome {
     int exit_code = -1;  // >= 0: the job is over for this agent; -1: restart
   };
+
+  // A job spec's services on this node: all of them once, when the node first joins a
+  // generation, before its workers; at a later generation the generation-scoped ones again.
+  // Without a job spec the job's list of services is published empty (Runtime::service then
+  // fails at once). The exit code when they cannot be started (the job fails); else nullopt.
+  std::optional<int> start_services() {
+    if (!options_.job) {
+      if (generation_ == first_generation_) store_->set(kServicesKey, "");
+      return std::nullopt;
+    }
+    const bool first = !services_;
+    if (first) {
+      services_ = std::make_unique<ServiceSupervisor>(
+          *options_.job, static_cast<int>(node_rank_), options_.run_dir, advertise_,
+          ServiceRegistry::default_dir(),
+          [this](const std::string& key, const std::string& value) { store_->set(key, value); },
+          [](const std::string& line) { say(line); });
+    }
+    try {
+      if (first) {
+        services_->start();
+      } else {
+        services_->start_generation();
+      }
+    } catch (const Error& e) {
+      say(e.what());
+      leave(false, 1, e.what());
+      services_->stop(options_.grace);
+      return linger(1);
+    }
+    return std::nullopt;
+  }
 
   // Joins the next rendezvous round, in short calls so that a stop signal is seen at once.
   // The reply is admitted, the job over, or still waiting at the rendezvous deadline; nullopt
@@ -608,6 +630,7 @@ class Agent {
   std::unique_ptr<ServiceSupervisor> services_;       // a job spec's services on this node
   // Owned by the agent's thread.
   int64_t generation_ = 0;
+  int64_t first_generation_ = 0;  // the first this node joined
   int64_t node_rank_ = 0;
   int64_t nnodes_ = 1;
   bool followed_ = true;  // this generation's snapshot peers are followed (or there are none)

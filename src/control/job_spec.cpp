@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "config_toml.h"
+#include "control/service_keys.h"
 #include "loom/error.h"
 
 namespace loom::control {
@@ -307,6 +308,54 @@ const GroupSpec& JobSpec::training() const {
   throw InvalidArgument(concat(file.string(), ": the job has no training group"));
 }
 
+namespace {
+
+// `text` with "{port}" and "{replica}" replaced.
+std::string substitute(std::string text, int port, int replica) {
+  for (const auto& [from, to] :
+       {std::pair<std::string, std::string>{"{port}", std::to_string(port)},
+        {"{replica}", std::to_string(replica)}}) {
+    for (size_t at = text.find(from); at != std::string::npos;
+         at = text.find(from, at + to.size())) {
+      text.replace(at, from.size(), to);
+    }
+  }
+  return text;
+}
+
+}  // namespace
+
+int GroupSpec::port_of(int replica) const { return health.port > 0 ? health.port + replica : 0; }
+
+std::vector<std::string> GroupSpec::command_of(int replica) const {
+  std::vector<std::string> out;
+  for (const std::string& arg : command) out.push_back(substitute(arg, port_of(replica), replica));
+  return out;
+}
+
+std::map<std::string, std::string> GroupSpec::env_of(int replica) const {
+  std::map<std::string, std::string> out;
+  for (const auto& [key, value] : env) out[key] = substitute(value, port_of(replica), replica);
+  return out;
+}
+
+int GroupSpec::replica_count(int nodes) const {
+  if (training) return procs_per_node * nodes;
+  switch (placement.kind) {
+    case Placement::Kind::kEveryNode:
+      return nodes;
+    case Placement::Kind::kNode:
+      return 1;
+    case Placement::Kind::kSpread:
+      return placement.replicas;
+  }
+  return 1;
+}
+
+std::string GroupSpec::registry_name(int replica) const {
+  return replica == 0 ? name : concat(name, "@", replica);
+}
+
 const GroupSpec* JobSpec::find(const std::string& name) const {
   for (const GroupSpec& g : groups) {
     if (g.name == name) return &g;
@@ -407,6 +456,31 @@ JobSpec parse_job_spec(const std::filesystem::path& file) {
                  " node(s), numbered from 0 (job.nodes)");
     }
   }
+  std::map<std::string, std::string> env_names;  // LOOM_SERVICE_<NAME> -> group
+  for (const GroupSpec& g : spec.groups) {
+    if (g.training) continue;
+    const std::string where = concat(file.string(), ":", g.line, ": group.", g.name);
+    const std::string var = service_env_name(g.name);
+    LOOM_CHECK(var != "LOOM_SERVICE_NAME" && var != "LOOM_SERVICE_REPLICA", ConfigError, where,
+               ": the name is taken: a service gets its own name and replica as ", var,
+               "; rename the group");
+    const auto [other, fresh] = env_names.emplace(var, g.name);
+    LOOM_CHECK(fresh, ConfigError, where, ": groups ", other->second, " and ", g.name,
+               " would both be found as ", var, "; rename one of them");
+    const bool uses_port = [&] {
+      bool found = false;
+      for (const std::string& arg : g.command) found = found || arg.find("{port}") != arg.npos;
+      for (const auto& [key, value] : g.env) found = found || value.find("{port}") != value.npos;
+      return found;
+    }();
+    LOOM_CHECK(!uses_port || g.health.port > 0, ConfigError, where,
+               ": {port} needs a health check with a port (health = { tcp = PORT } or { http = "
+               "\"/path\", port = PORT }): replica r gets PORT + r");
+    const int last = g.port_of(g.replica_count(spec.nodes) - 1);
+    LOOM_CHECK(last <= 65535, ConfigError, where, ".health: replica ",
+               g.replica_count(spec.nodes) - 1, " would listen on port ", last,
+               " (the health check's port + the replica's index), beyond 65535; lower the port");
+  }
   for (const GroupSpec& g : spec.groups) {
     const bool waited_for = std::any_of(spec.groups.begin(), spec.groups.end(), [&](const auto& o) {
       return std::find(o.after.begin(), o.after.end(), g.name) != o.after.end();
@@ -444,15 +518,19 @@ std::string describe_plan(const JobSpec& spec) {
     }
     out << ", restart " << to_string(g.restart) << " (at most " << g.max_restarts << ", backoff "
         << g.backoff_seconds << " s), scope " << to_string(g.scope) << ", health ";
+    // "7000", or "7000-7001" for two replicas (replica r: port + r).
+    const int replicas = g.training ? 1 : g.replica_count(spec.nodes);
+    const std::string ports =
+        replicas > 1 ? concat(g.port_of(0), "-", g.port_of(replicas - 1)) : concat(g.health.port);
     switch (g.health.kind) {
       case Health::Kind::kNone:
         out << "none (ready once started)";
         break;
       case Health::Kind::kTcp:
-        out << "tcp port " << g.health.port;
+        out << "tcp port " << ports;
         break;
       case Health::Kind::kHttp:
-        out << "http :" << g.health.port << g.health.path;
+        out << "http :" << ports << g.health.path;
         break;
       case Health::Kind::kHeartbeat:
         out << "heartbeats through the store";

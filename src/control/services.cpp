@@ -1,19 +1,15 @@
 // Services beside the training workers (services.h).
 #include "control/services.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cctype>
 #include <csignal>
-#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "control/health.h"
+#include "control/service_keys.h"
+#include "control/service_registry.h"
 #include "loom/error.h"
 #include "util/deadline.h"
 #include "util/files.h"
@@ -24,106 +20,54 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-// Connects to 127.0.0.1:port within `timeout`; the socket (>= 0) or -1.
-int connect_local(int port, milliseconds timeout) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  timeval tv{static_cast<time_t>(timeout.count() / 1000),
-             static_cast<suseconds_t>((timeout.count() % 1000) * 1000)};
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-// Whether the health check passes now.
-bool healthy(const Health& health) {
-  switch (health.kind) {
-    case Health::Kind::kNone:
-    case Health::Kind::kHeartbeat:  // readiness is "started"; heartbeats are for liveness
-      return true;
-    case Health::Kind::kTcp: {
-      const int fd = connect_local(health.port, milliseconds(500));
-      if (fd < 0) return false;
-      ::close(fd);
-      return true;
-    }
-    case Health::Kind::kHttp: {
-      const int fd = connect_local(health.port, milliseconds(500));
-      if (fd < 0) return false;
-      const std::string request =
-          "GET " + health.path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
-      bool ok = ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
-                static_cast<ssize_t>(request.size());
-      char reply[64] = {};
-      ok = ok && ::recv(fd, reply, sizeof reply - 1, 0) >= 12;
-      ::close(fd);
-      // "HTTP/1.x 2xx"
-      return ok && std::strncmp(reply, "HTTP/1.", 7) == 0 && reply[9] == '2';
-    }
-  }
-  return false;
-}
-
-std::string describe(const Health& health) {
-  switch (health.kind) {
-    case Health::Kind::kNone:
-      return "started";
-    case Health::Kind::kHeartbeat:
-      return "started (heartbeats)";
-    case Health::Kind::kTcp:
-      return detail::concat("tcp port ", health.port);
-    case Health::Kind::kHttp:
-      return detail::concat("http :", health.port, health.path, " answering 2xx");
-  }
-  return "?";
-}
-
-// LOOM_SERVICE_DATA_CACHE for "data-cache".
-std::string env_name(const std::string& service) {
-  std::string out = "LOOM_SERVICE_";
-  for (char c : service) {
-    out += std::isalnum(static_cast<unsigned char>(c)) ? static_cast<char>(std::toupper(c)) : '_';
-  }
-  return out;
-}
-
 }  // namespace
 
 struct ServiceSupervisor::Process {
   GroupSpec group;
   int replica = 0;
-  std::optional<util::Subprocess> process;
-  std::optional<util::ExitStatus> last_exit;  // of the current process, once it exited
-  std::string exited;                         // how the last process that exited ended
+  int port = 0;   // its health check's and endpoint's (GroupSpec::port_of, or the registry's)
+  Health health;  // the group's check at `port`
+  std::optional<util::Subprocess> process;  // a generation or job service
+  std::optional<ServiceRecord> daemon;      // a long-lived service
+  bool attached = false;                    // the daemon ran already when the job came
+  bool running = false;                     // started and not seen exiting since
+  std::string exited;                       // how the last process that exited ended
+  bool failed = false;                      // ... and whether that counts as a failure
+  int starts = 0;
   int restarts = 0;
   Clock::time_point restart_at{};  // when a pending restart may start
   bool down = false;               // not restarted after a failure: the job fails
   bool done = false;               // exited cleanly and not restarted (restart on-failure/never)
-  bool stopped = false;            // stopped by stop(), at the end of the job
+  bool stopped = false;            // stopped by the job (at the end, or for a training restart)
+  bool long_lived() const { return group.scope == Scope::kLongLived; }
   std::string name() const { return detail::concat(group.name, "/", replica); }
+  std::string log(const std::filesystem::path& run_dir) const {
+    return daemon ? daemon->log.string()
+                  : (run_dir / "logs" / detail::concat(group.name, "_", replica, ".out")).string();
+  }
 };
 
 ServiceSupervisor::ServiceSupervisor(const JobSpec& spec, int node, std::filesystem::path run_dir,
-                                     std::string host, Publish publish, Say say)
+                                     std::string host, std::filesystem::path service_dir,
+                                     Publish publish, Say say)
     : node_(node),
       run_dir_(std::move(run_dir)),
       host_(std::move(host)),
+      service_dir_(std::move(service_dir)),
       publish_(std::move(publish)),
       say_(std::move(say)) {
+  for (const GroupSpec& g : spec.groups) {
+    if (!g.training) replica_counts_[g.name] = g.replica_count(spec.nodes);
+  }
   for (const auto& [name, replica] : spec.processes_on(node)) {
     const GroupSpec& group = *spec.find(name);
     if (group.training) continue;
     Process p;
     p.group = group;
     p.replica = replica;
+    p.port = group.port_of(replica);
+    p.health = group.health;
+    p.health.port = p.port;
     processes_.push_back(std::move(p));
   }
   std::filesystem::create_directories(run_dir_ / "logs");
@@ -132,64 +76,121 @@ ServiceSupervisor::ServiceSupervisor(const JobSpec& spec, int node, std::filesys
 ServiceSupervisor::~ServiceSupervisor() = default;  // ~Subprocess kills what still runs
 
 void ServiceSupervisor::launch(Process& p) {
-  std::map<std::string, std::string> env = p.group.env;
+  std::map<std::string, std::string> env = p.group.env_of(p.replica);
   env["LOOM_SERVICE_NAME"] = p.group.name;
   env["LOOM_SERVICE_REPLICA"] = std::to_string(p.replica);
   env["LOOM_RUN_DIR"] = run_dir_.string();
-  const auto log = run_dir_ / "logs" / detail::concat(p.group.name, "_", p.replica, ".out");
+  ++p.starts;
+  p.stopped = false;
+  if (p.long_lived()) {
+    // Through `loom service`'s registry: attached when it runs already, never stopped here.
+    ServiceRegistry registry(service_dir_);
+    const ServiceRegistry::Started started = registry.start(
+        {.name = p.group.registry_name(p.replica),
+         .command = p.group.command_of(p.replica),
+         .env = env,
+         .health = p.health,
+         .ready_timeout = milliseconds(static_cast<int64_t>(p.group.ready_timeout_seconds * 1000))},
+        /*attach=*/true);
+    p.daemon = started.record;
+    p.attached = started.attached;
+    if (started.attached && started.record.port > 0 && started.record.port != p.port) {
+      say_(detail::concat("service ", p.name(), ": the running ", started.record.name,
+                          " listens on port ", started.record.port, ", not ", p.port,
+                          " as the job spec says; using its port"));
+      p.port = started.record.port;
+      p.health.port = p.port;
+    }
+    p.running = true;
+    return;
+  }
+  const auto log = p.log(run_dir_);
   {
     std::ofstream out(log, std::ios::app);
-    out << "---- start " << p.restarts + 1 << " ----\n";
+    out << "---- start " << p.starts << " ----\n";
   }
-  p.process = util::Subprocess::spawn({.argv = p.group.command, .env = env, .output = log});
-  p.last_exit.reset();
+  p.process = util::Subprocess::spawn(
+      {.argv = p.group.command_of(p.replica), .env = env, .output = std::filesystem::path(log)});
+  p.running = true;
+}
+
+std::optional<std::string> ServiceSupervisor::exited(Process& p) {
+  if (!p.running) return std::nullopt;
+  if (p.daemon) {
+    if (ServiceRegistry::alive(*p.daemon)) return std::nullopt;
+    p.running = false;
+    p.failed = true;  // its exit status is its parent's (init), not the job's to know
+    p.exited = detail::concat("exited (pid ", p.daemon->pid, ", not a child of the job)");
+    return p.exited;
+  }
+  const auto status = p.process->wait_for(milliseconds(0));
+  if (!status) return std::nullopt;
+  p.running = false;
+  p.failed = !status->ok();
+  p.exited = status->describe();
+  return p.exited;
 }
 
 void ServiceSupervisor::wait_ready(Process& p) {
   const auto timeout = milliseconds(static_cast<int64_t>(p.group.ready_timeout_seconds * 1000));
   const auto deadline = Clock::now() + timeout;
   for (;;) {
-    if (const auto status = p.process->wait_for(milliseconds(0))) {
-      throw Error(detail::concat("service ", p.name(), " (", p.group.command.front(), ") ",
-                                 status->describe(), " before it was ready; see <run-dir>/logs/",
-                                 p.group.name, "_", p.replica, ".out"));
+    if (const auto status = exited(p)) {
+      throw Error(detail::concat("service ", p.name(), " (", p.group.command.front(), ") ", *status,
+                                 " before it was ready; see ", p.log(run_dir_)));
     }
-    if (healthy(p.group.health)) break;
+    if (healthy(p.health)) break;
     LOOM_CHECK(!util::expired(deadline), Timeout, "service ", p.name(), " was not ready within ",
-               p.group.ready_timeout_seconds, " s (health: ", describe(p.group.health),
-               "); raise ready_timeout_seconds or see <run-dir>/logs/", p.group.name, "_",
-               p.replica, ".out");
+               p.group.ready_timeout_seconds, " s (health: ", describe(p.health),
+               "); raise ready_timeout_seconds or see ", p.log(run_dir_));
     std::this_thread::sleep_for(milliseconds(100));
   }
-  const int port = p.group.health.port;
-  publish_(detail::concat("services/", p.group.name, "/", p.replica),
-           port > 0 ? detail::concat(host_, ":", port) : host_);
+  publish_(service_replica_key(p.group.name, p.replica),
+           p.port > 0 ? detail::concat(host_, ":", p.port) : host_);
 }
 
-void ServiceSupervisor::start() {
+void ServiceSupervisor::start_where(Scope only, bool all) {
   for (Process& p : processes_) {
+    if (!all && p.group.scope != only) continue;
     launch(p);
     wait_ready(p);
-    say_(detail::concat("service ", p.name(), " ready (pid ", p.process->pid(), ", ",
-                        describe(p.group.health), ")"));
+    const pid_t pid = p.daemon ? p.daemon->pid : p.process->pid();
+    if (p.attached) {
+      say_(detail::concat("service ", p.name(), " attached: long-lived ",
+                          p.group.registry_name(p.replica), " runs already (pid ", pid, ", ",
+                          describe(p.health), ")"));
+    } else {
+      say_(detail::concat("service ", p.name(), " ready (pid ", pid, ", ", describe(p.health),
+                          p.long_lived() ? "; long-lived: it outlives the job" : "", ")"));
+    }
   }
   write_state();
 }
 
+void ServiceSupervisor::start() {
+  std::string names;
+  for (const auto& [name, count] : replica_counts_) {
+    names += (names.empty() ? "" : ",") + name;
+    publish_(service_count_key(name), std::to_string(count));
+  }
+  publish_(kServicesKey, names);
+  start_where(Scope::kJob, /*all=*/true);
+}
+
+void ServiceSupervisor::start_generation() { start_where(Scope::kGeneration, /*all=*/false); }
+
 std::optional<std::string> ServiceSupervisor::poll() {
   bool changed = false;
   for (Process& p : processes_) {
-    if (p.down || p.done) continue;
-    if (p.process && !p.last_exit) {
-      const auto status = p.process->wait_for(milliseconds(0));
+    if (p.down || p.done || p.stopped) continue;
+    if (p.running) {
+      const auto status = exited(p);
       if (!status) continue;
-      p.last_exit = status;
-      p.exited = status->describe();
       changed = true;
       const bool restart = p.group.restart == RestartPolicy::kAlways ||
-                           (p.group.restart == RestartPolicy::kOnFailure && !status->ok());
+                           (p.group.restart == RestartPolicy::kOnFailure && p.failed);
       if (!restart) {
-        if (status->ok()) {
+        if (!p.failed) {
           say_(detail::concat("service ", p.name(), " exited with code 0; not restarted (restart ",
                               to_string(p.group.restart), ")"));
           p.done = true;
@@ -197,33 +198,33 @@ std::optional<std::string> ServiceSupervisor::poll() {
         }
         p.down = true;
         write_state();
-        return detail::concat("service ", p.name(), " ", status->describe(), " (restart never)");
+        return detail::concat("service ", p.name(), " ", *status, " (restart never)");
       }
       if (p.restarts >= p.group.max_restarts) {
         p.down = true;
         write_state();
-        return detail::concat("service ", p.name(), " ", status->describe(), " and has used its ",
+        return detail::concat("service ", p.name(), " ", *status, " and has used its ",
                               p.group.max_restarts, " restart(s) (max_restarts)");
       }
       // Exponential backoff from backoff_seconds, doubling with each restart.
       const double backoff =
           p.group.backoff_seconds * static_cast<double>(1 << std::min(p.restarts, 10));
       p.restart_at = Clock::now() + milliseconds(static_cast<int64_t>(backoff * 1000));
-      say_(detail::concat("service ", p.name(), " ", status->describe(), "; restarting it in ",
-                          backoff, " s (", p.restarts + 1, " of ", p.group.max_restarts, ")"));
+      say_(detail::concat("service ", p.name(), " ", *status, "; restarting it in ", backoff,
+                          " s (", p.restarts + 1, " of ", p.group.max_restarts, ")"));
     }
-    if (p.last_exit && Clock::now() >= p.restart_at) {
+    if (!p.running && Clock::now() >= p.restart_at) {
       ++p.restarts;
-      launch(p);
       try {
+        launch(p);
         wait_ready(p);
       } catch (const Error& e) {
         p.down = true;
         write_state();
         return detail::concat("restarting ", e.what());
       }
-      say_(detail::concat("service ", p.name(), " restarted and ready (pid ", p.process->pid(),
-                          ")"));
+      say_(detail::concat("service ", p.name(), " restarted and ready (pid ",
+                          p.daemon ? p.daemon->pid : p.process->pid(), ")"));
       changed = true;
     }
   }
@@ -231,33 +232,53 @@ std::optional<std::string> ServiceSupervisor::poll() {
   return std::nullopt;
 }
 
-void ServiceSupervisor::stop(milliseconds grace) {
+void ServiceSupervisor::stop_where(Scope only, bool all, milliseconds grace) {
+  std::vector<Process*> stopping;
   for (auto it = processes_.rbegin(); it != processes_.rend(); ++it) {
+    if (!all && it->group.scope != only) continue;
+    if (it->long_lived()) {
+      if (it->running && !it->stopped) {
+        say_(detail::concat("service ", it->name(), " is long-lived: left running (pid ",
+                            it->daemon->pid, "; `loom service stop ",
+                            it->group.registry_name(it->replica), "` stops it)"));
+      }
+      it->stopped = true;
+      continue;
+    }
     it->stopped = true;
-    if (it->process && !it->last_exit) it->process->signal(SIGTERM);
+    if (it->running) {
+      it->process->signal(SIGTERM);
+      stopping.push_back(&*it);
+    }
   }
   const auto deadline = Clock::now() + grace;
-  for (auto it = processes_.rbegin(); it != processes_.rend(); ++it) {
-    if (!it->process || it->last_exit) continue;
-    it->last_exit = it->process->wait_for(util::time_left(deadline));
-    if (it->last_exit) it->exited = it->last_exit->describe();
-    if (!it->last_exit) {
-      say_(detail::concat("service ", it->name(), " did not stop within ", grace.count(),
+  for (Process* p : stopping) {
+    auto status = p->process->wait_for(util::time_left(deadline));
+    if (!status) {
+      say_(detail::concat("service ", p->name(), " did not stop within ", grace.count(),
                           " ms: SIGKILL"));
-      it->process->signal(SIGKILL);
-      it->last_exit = it->process->wait();
-      it->exited = it->last_exit->describe();
+      p->process->signal(SIGKILL);
+      status = p->process->wait();
     }
+    p->running = false;
+    p->exited = status->describe();
+    if (!all)
+      say_(detail::concat("service ", p->name(), " stopped with the workers (scope generation)"));
   }
   write_state();
 }
 
+void ServiceSupervisor::stop_generation(milliseconds grace) {
+  stop_where(Scope::kGeneration, /*all=*/false, grace);
+}
+
+void ServiceSupervisor::stop(milliseconds grace) { stop_where(Scope::kJob, /*all=*/true, grace); }
+
 std::map<std::string, std::string> ServiceSupervisor::env() const {
   std::map<std::string, std::string> out;
   for (const Process& p : processes_) {
-    const int port = p.group.health.port;
-    std::string& value = out[env_name(p.group.name)];
-    value += (value.empty() ? "" : ",") + (port > 0 ? detail::concat(host_, ":", port) : host_);
+    std::string& value = out[service_env_name(p.group.name)];
+    value += (value.empty() ? "" : ",") + (p.port > 0 ? detail::concat(host_, ":", p.port) : host_);
   }
   return out;
 }
@@ -271,19 +292,29 @@ int ServiceSupervisor::restarts() const {
 void ServiceSupervisor::write_state() const {
   nlohmann::json out = nlohmann::json::array();
   for (const Process& p : processes_) {
-    const bool running = p.process && !p.last_exit;
-    out.push_back({{"service", p.group.name},
-                   {"replica", p.replica},
-                   {"node", node_},
-                   {"pid", running ? p.process->pid() : 0},
-                   {"state", p.down      ? "down"
-                             : p.stopped ? "stopped"
-                             : p.done    ? "exited"
-                             : running   ? "running"
-                                         : "restarting"},
-                   {"restarts", p.restarts},
-                   {"last_exit", p.exited},
-                   {"health", describe(p.group.health)}});
+    const char* state = p.down                        ? "down"
+                        : p.stopped && p.long_lived() ? "left-running"
+                        : p.stopped                   ? "stopped"
+                        : p.done                      ? "exited"
+                        : p.running                   ? "running"
+                                                      : "restarting";
+    nlohmann::json entry = {{"service", p.group.name},
+                            {"replica", p.replica},
+                            {"node", node_},
+                            {"scope", to_string(p.group.scope)},
+                            {"pid", p.running ? (p.daemon ? p.daemon->pid : p.process->pid()) : 0},
+                            {"state", state},
+                            {"starts", p.starts},
+                            {"restarts", p.restarts},
+                            {"last_exit", p.exited},
+                            {"health", describe(p.health)},
+                            {"endpoint", p.port > 0 ? detail::concat(host_, ":", p.port) : host_},
+                            {"log", p.log(run_dir_)}};
+    if (p.long_lived()) {
+      entry["registry_name"] = p.group.registry_name(p.replica);
+      entry["attached"] = p.attached;
+    }
+    out.push_back(std::move(entry));
   }
   try {
     util::write_file_atomic(run_dir_ / detail::concat("services_node", node_, ".json"),

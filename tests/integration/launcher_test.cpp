@@ -143,13 +143,19 @@ TEST_F(Launcher, AJobSpecRunsItsTrainingGroupAndChecksServices) {
   TempDir dir;
   const fs::path job = dir / "job.toml";
   std::ofstream(job) << "[group.train]\nkind = \"training\"\ncommand = [\"" << kProbe
-                     << "\"]\nprocs_per_node = 2\n";
+                     << "\", \"--probe.service=nope\"]\nprocs_per_node = 2\n";
   auto run =
       testing::run_loom(dir, {"run", "--run-dir", (dir / "run").string(), "--job", job.string()});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   const auto probes = wait_probes(dir, 1, 2, std::chrono::seconds(1));
   ASSERT_EQ(probes.size(), 2u) << run.output;
-  for (const json& p : probes) EXPECT_EQ(p["world"], 2);
+  for (const json& p : probes) {
+    EXPECT_EQ(p["world"], 2);
+    // rt.service() of a name the job has no service of: at once, naming what there is.
+    EXPECT_EQ(p["service"],
+              "error: no service named 'nope' in the job; its services: none (start it with "
+              "`loom run --job FILE`)");
+  }
 
   const fs::path services = dir / "services.toml";
   std::ofstream(services) << "[group.train]\nkind = \"training\"\ncommand = [\"prog\"]\n"
@@ -161,7 +167,7 @@ TEST_F(Launcher, AJobSpecRunsItsTrainingGroupAndChecksServices) {
                             ": 2 group(s) on 1 node(s); start order: data train\n"
                             "  data: serve\n"
                             "    2 replica(s) spread, restart on-failure (at most 3, backoff 1 "
-                            "s), scope job, health tcp port 7000\n"
+                            "s), scope job, health tcp port 7000-7001\n"
                             "  train (training): prog\n"
                             "    1 per node, restart on-failure (at most 3, backoff 1 s), scope "
                             "generation, health none (ready once started), after data\n"
@@ -244,6 +250,145 @@ TEST_F(Launcher, AServiceRestartsAloneAndOutlivesTrainingRestarts) {
   EXPECT_TRUE(testing::contains(log, "---- start 1 ----")) << log;
   EXPECT_TRUE(testing::contains(log, "---- start 2 ----")) << log;
   EXPECT_TRUE(testing::contains(l.text(), "[loom run] service web/0 ready")) << l.text();
+}
+
+// Two replicas of a service on one node listen on the health check's port + their index
+// ({port}); the workers find both through rt.service() and LOOM_SERVICE_WEB. A generation-scoped
+// service is stopped and started again when training restarts (a new pid, a second start in its
+// log), while the job-scoped one keeps its pids; services_node0.json shows each one's scope.
+TEST_F(Launcher, GenerationServicesRestartWithTrainingAndReplicasGetTheirOwnPorts) {
+  TempDir dir;
+  const int port = free_port();
+  const std::string p0 = std::to_string(port), p1 = std::to_string(port + 1);
+  const fs::path job = dir / "job.toml";
+  std::ofstream(job) << "[group.web]\ncommand = [\"python3\", \"-m\", \"http.server\", \"{port}\", "
+                        "\"--bind\", \"127.0.0.1\", \"--directory\", \""
+                     << dir.path().string() << "\"]\nplacement = \"spread\"\nreplicas = 2\n"
+                     << "health = { tcp = " << port << " }\nready_timeout_seconds = 30\n"
+                     << "[group.gen]\ncommand = [\"sleep\", \"600\"]\nscope = \"generation\"\n"
+                        "[group.train]\nkind = \"training\"\ncommand = [\""
+                     << kProbe
+                     << "\", \"--probe.steps=40\", \"--probe.step_ms=100\", "
+                        "\"--probe.service=web\"]\nprocs_per_node = 2\nmax_restarts = 1\n"
+                        "after = [\"web\", \"gen\"]\n";
+  Launch l{util::Subprocess::spawn(
+               {.argv = {kLoom, "run", "--run-dir", (dir / "run").string(), "--job", job.string()},
+                .output = dir / "job.out"}),
+           dir / "job.out"};
+  const auto first = wait_probes(dir, 1, 2, std::chrono::seconds(30));
+  ASSERT_EQ(first.size(), 2u) << l.text();
+  for (const json& p : first) {
+    EXPECT_EQ(p["services"],
+              "LOOM_SERVICE_GEN=127.0.0.1;LOOM_SERVICE_WEB=127.0.0.1:" + p0 + ",127.0.0.1:" + p1)
+        << p;
+    EXPECT_EQ(p["service"], "127.0.0.1:" + p0 + ",127.0.0.1:" + p1) << p;
+  }
+  const json gen = wait_service(dir, "gen", [](const json& e) { return e["state"] == "running"; });
+  EXPECT_EQ(gen["scope"], "generation");
+  const fs::path state = dir / "run" / "services_node0.json";
+  std::vector<int> web_pids;
+  for (const json& e : json::parse(util::read_file(state))) {
+    if (e["service"] != "web") continue;
+    EXPECT_EQ(e["scope"], "job");
+    EXPECT_EQ(e["endpoint"], "127.0.0.1:" + std::to_string(port + e["replica"].get<int>()));
+    web_pids.push_back(e["pid"]);
+  }
+  ASSERT_EQ(web_pids.size(), 2u);
+  // A worker killed: training restarts, and the generation's service with it.
+  ::kill(first[0]["pid"].get<int>(), SIGKILL);
+  const auto second = wait_probes(dir, 2, 2, std::chrono::seconds(30));
+  ASSERT_EQ(second.size(), 2u) << l.text();
+  const json regen = wait_service(
+      dir, "gen", [&](const json& e) { return e["state"] == "running" && e["pid"] != gen["pid"]; });
+  EXPECT_EQ(regen["starts"], 2);
+  EXPECT_EQ(regen["restarts"], 0) << "a training restart is not the service's failure";
+  EXPECT_EQ(::kill(gen["pid"].get<int>(), 0), -1) << "the old generation's service was stopped";
+  std::vector<int> web_after;
+  for (const json& e : json::parse(util::read_file(state))) {
+    if (e["service"] == "web") web_after.push_back(e["pid"]);
+  }
+  EXPECT_EQ(web_after, web_pids) << "job-scoped services keep their processes";
+  ASSERT_EQ(finish(l, std::chrono::seconds(60)), 0) << l.text();
+  EXPECT_EQ(util::read_file(dir / "run" / "logs" / "gen_0.out"),
+            "---- start 1 ----\n---- start 2 ----\n");
+  for (const json& e : json::parse(util::read_file(state))) EXPECT_EQ(e["state"], "stopped") << e;
+}
+
+// A long-lived service: one `loom service start` began is attached to by name (published, not
+// restarted, not stopped); one not running is started through the same registry and left
+// running after the job, for the next job to attach to.
+TEST_F(Launcher, ALongLivedServiceIsAttachedOrStartedAndOutlivesTheJob) {
+  TempDir dir;
+  const fs::path services = dir / "services";
+  struct KillAtExit {
+    fs::path dir;
+    ~KillAtExit() {
+      if (!fs::exists(dir)) return;
+      for (const auto& f : fs::directory_iterator(dir)) {
+        if (f.path().extension() == ".json")
+          ::kill(-json::parse(util::read_file(f.path()))["pid"].get<int>(), SIGKILL);
+      }
+    }
+  } cleanup{services};
+  const int port = free_port(), fresh_port = free_port();
+  const std::string p = std::to_string(port), q = std::to_string(fresh_port);
+  auto run =
+      testing::run_loom(dir, {"service", "start", "cache", "--dir", services.string(), "--port", p,
+                              "--", "python3", "-m", "http.server", p, "--bind", "127.0.0.1"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const int cache_pid = json::parse(util::read_file(services / "cache.json"))["pid"];
+  const fs::path job = dir / "job.toml";
+  const auto server = [&](const std::string& name, int at) {
+    return "[group." + name +
+           "]\ncommand = [\"python3\", \"-m\", \"http.server\", \"{port}\", \"--bind\", "
+           "\"127.0.0.1\"]\nscope = \"long-lived\"\nhealth = { tcp = " +
+           std::to_string(at) + " }\n";
+  };
+  std::ofstream(job) << server("cache", port) << server("fresh", fresh_port)
+                     << "[group.train]\nkind = \"training\"\ncommand = [\"" << kProbe
+                     << "\", \"--probe.service=cache\"]\nafter = [\"cache\", \"fresh\"]\n";
+  Launch l{util::Subprocess::spawn(
+               {.argv = {kLoom, "run", "--run-dir", (dir / "run").string(), "--job", job.string()},
+                .env = {{"LOOM_SERVICES_DIR", services.string()}},
+                .output = dir / "job.out"}),
+           dir / "job.out"};
+  ASSERT_EQ(finish(l, std::chrono::seconds(60)), 0) << l.text();
+  const auto probes = wait_probes(dir, 1, 1, std::chrono::seconds(1));
+  ASSERT_EQ(probes.size(), 1u) << l.text();
+  EXPECT_EQ(probes[0]["service"], "127.0.0.1:" + p);
+  const int fresh_pid = json::parse(util::read_file(services / "fresh.json"))["pid"];
+  const std::string out = l.text();
+  EXPECT_TRUE(testing::contains(out,
+                                "[loom run] service cache/0 attached: long-lived cache runs "
+                                "already (pid " +
+                                    std::to_string(cache_pid) + ", tcp port " + p + ")\n"))
+      << out;
+  EXPECT_TRUE(testing::contains(out, "[loom run] service fresh/0 ready (pid " +
+                                         std::to_string(fresh_pid) + ", tcp port " + q +
+                                         "; long-lived: it outlives the job)\n"))
+      << out;
+  EXPECT_TRUE(testing::contains(
+      out, "[loom run] service fresh/0 is long-lived: left running (pid " +
+               std::to_string(fresh_pid) + "; `loom service stop fresh` stops it)\n"))
+      << out;
+  for (const json& e : json::parse(util::read_file(dir / "run" / "services_node0.json"))) {
+    EXPECT_EQ(e["scope"], "long-lived");
+    EXPECT_EQ(e["state"], "left-running");
+    EXPECT_EQ(e["attached"], e["service"] == "cache") << e;
+  }
+  // Both still run after the job, listed by `loom service ls`; stopping them is the user's.
+  run = testing::run_loom(dir, {"service", "ls", "--json", "--dir", services.string()});
+  const json listed = json::parse(run.output);
+  ASSERT_EQ(listed.size(), 2u) << run.output;
+  EXPECT_EQ(listed[0]["pid"], cache_pid);
+  EXPECT_EQ(listed[0]["state"], "alive");
+  EXPECT_EQ(listed[1]["pid"], fresh_pid);
+  EXPECT_EQ(listed[1]["state"], "alive");
+  EXPECT_EQ(listed[1]["endpoint"], "127.0.0.1:" + q);
+  for (const char* name : {"cache", "fresh"}) {
+    run = testing::run_loom(dir, {"service", "stop", name, "--dir", services.string()});
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+  }
 }
 
 TEST_F(Launcher, TwoAgentsTimesTwoWorkers) {

@@ -4,7 +4,8 @@
 // it saw (sums, the largest error, the world group's transport) in
 // <run_dir>/probe/gen<g>_rank<r>.json, then runs `probe.steps` steps of `probe.step_ms`,
 // reporting progress through the heartbeat. The record also holds the LOOM_SERVICE_* variables
-// a job spec's services gave it. With probe.kill_pid it then SIGKILLs that process
+// a job spec's services gave it, and with probe.service what rt.service() found for that name
+// (or its error). With probe.kill_pid it then SIGKILLs that process
 // (a test's way to take the coordinator away at a known moment) before exiting.
 #include <loom/loom.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <fstream>
@@ -23,6 +25,7 @@ int main(int argc, char** argv) {
   keys.add("probe.step_ms", 100, "milliseconds per step");
   keys.add("probe.exit_code", 0, "exit with this code after the steps");
   keys.add("probe.kill_pid", 0, "SIGKILL this process after the steps (0: none)");
+  keys.add("probe.service", "", "look this service up with rt.service() (empty: none)");
   return loom::run_main(argc, argv, keys, [](loom::Runtime& rt) {
     const auto now_ms = [] {
       return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -50,6 +53,17 @@ int main(int argc, char** argv) {
       const std::string var = *e;
       if (var.rfind("LOOM_SERVICE_", 0) == 0) services += (services.empty() ? "" : ";") + var;
     }
+    // rt.service(probe.service): "host:port,host:port", or "error: ..." (quotes made single).
+    std::string found;
+    if (const auto name = rt.config().get<std::string>("probe.service"); !name.empty()) {
+      try {
+        for (const std::string& e : rt.service(name, std::chrono::seconds(5)))
+          found += (found.empty() ? "" : ",") + e;
+      } catch (const loom::Error& e) {
+        found = std::string("error: ") + e.what();
+        std::replace(found.begin(), found.end(), '"', '\'');
+      }
+    }
     const auto dir = rt.run_dir() / "probe";
     std::filesystem::create_directories(dir);
     {
@@ -61,7 +75,7 @@ int main(int argc, char** argv) {
           << ", \"max_error\": " << max_error << ", \"transport\": \""
           << loom::comm::gloo_transport(group) << "\""
           << ", \"pid\": " << ::getpid() << ", \"ready_ms\": " << ready_ms << ", \"services\": \""
-          << services << "\"}\n";
+          << services << "\", \"service\": \"" << found << "\"}\n";
       std::filesystem::rename(file.string() + ".tmp", file);
     }
     for (int64_t step = 0; step < rt.config().get<int64_t>("probe.steps"); ++step) {

@@ -8,6 +8,8 @@
 #include <fstream>
 
 #include "harness/harness.h"
+#include "loom/comm/group.h"
+#include "loom/comm/store.h"
 #include "util/files.h"
 
 namespace loom {
@@ -211,6 +213,53 @@ TEST(Runtime, ThreadsAndDevice) {
 TEST(Runtime, InvalidTopologyIsRejected) {
   testing::TempDir dir;
   EXPECT_THROW(Runtime::init(config_in(dir), Topology{2, 2, 0, 1, ""}), InvalidArgument);
+}
+
+// Not under `loom run`: a service's endpoints come from LOOM_SERVICE_<NAME>, read once by
+// Topology::from_env (a service's own LOOM_SERVICE_NAME and _REPLICA are not services).
+TEST(Runtime, ServicesFromTheEnvironment) {
+  ScopedEnv env({{"LOOM_SERVICE_DATA_CACHE", "10.0.0.1:7000,10.0.0.2:7001"},
+                 {"LOOM_SERVICE_NAME", "me"},
+                 {"LOOM_SERVICE_REPLICA", "0"}});
+  const Topology t = Topology::from_env();
+  EXPECT_EQ(t.services.count("LOOM_SERVICE_NAME"), 0u);
+  EXPECT_EQ(t.services.at("LOOM_SERVICE_DATA_CACHE"), "10.0.0.1:7000,10.0.0.2:7001");
+  testing::TempDir dir;
+  Topology one;
+  one.services = {{"LOOM_SERVICE_DATA_CACHE", "10.0.0.1:7000,10.0.0.2:7001"}};
+  Runtime rt = Runtime::init(config_in(dir), one, /*configure_process=*/false);
+  EXPECT_EQ(rt.service("data-cache"), (std::vector<std::string>{"10.0.0.1:7000", "10.0.0.2:7001"}));
+  EXPECT_EQ(testing::error_of<InvalidArgument>([&] { rt.service("eval"); }),
+            "no service named 'eval': LOOM_SERVICE_EVAL is not set (not under `loom run`; the "
+            "LOOM_SERVICE_* variables set: LOOM_SERVICE_DATA_CACHE)");
+}
+
+// Under `loom run` (here: an attached in-memory store as the coordinator's) the endpoints are
+// the store's, every replica in order; an unknown name fails at once naming the job's services,
+// a replica never published fails at the deadline naming it.
+TEST(Runtime, ServicesFromTheStore) {
+  testing::TempDir dir;
+  comm::InMemoryStore store;
+  store.set("services", "data,eval");
+  store.set("services/data/replicas", "2");
+  store.set("services/data/1", "10.0.0.2:7001");
+  store.set("services/data/0", "10.0.0.1:7000");
+  store.set("services/eval/replicas", "2");
+  store.set("services/eval/0", "10.0.0.1:9000");
+  Runtime rt = Runtime::init(config_in(dir), Topology{}, /*configure_process=*/false,
+                             Runtime::Attachments{.store = &store});
+  EXPECT_EQ(rt.service("data"), (std::vector<std::string>{"10.0.0.1:7000", "10.0.0.2:7001"}));
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(testing::error_of<InvalidArgument>([&] { rt.service("cache"); }),
+            "no service named 'cache' in the job; its services: data, eval");
+  EXPECT_EQ(testing::error_of<Timeout>([&] { rt.service("eval", std::chrono::milliseconds(200)); }),
+            "service 'eval': replica(s) 1 of 2 not ready within 200 ms (see "
+            "<run-dir>/services_node<N>.json and its logs)");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  store.set("services", "");
+  EXPECT_EQ(testing::error_of<InvalidArgument>([&] { rt.service("data"); }),
+            "no service named 'data' in the job; its services: none (start it with `loom run "
+            "--job FILE`)");
 }
 
 }  // namespace

@@ -22,6 +22,9 @@ void register_data(CLI::App& app, Action& action);
 // `loom run`: the launcher (run.cpp), present when built with gRPC.
 void register_run(CLI::App& app, Action& action);
 
+// `loom service start|ls|logs|stop`: long-lived services (service.cpp).
+void register_service(CLI::App& app, Action& action);
+
 // `loom flight ...`: read the collectives' flight-recorder dumps (flight.cpp).
 void register_flight(CLI::App& app, Action& action);
 

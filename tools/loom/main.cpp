@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   loom::cli::Action action;
   loom::cli::register_run(app, action);
   loom::cli::register_data(app, action);
+  loom::cli::register_service(app, action);
   loom::cli::register_flight(app, action);
   loom::cli::register_ckpt(app, action);
   loom::cli::register_top(app, action);

@@ -56,7 +56,7 @@ struct Health {
   std::string path;  // kHttp: e.g. "/healthz"
 };
 
-struct GroupSpec {
+struct LOOM_API GroupSpec {
   std::string name;
   bool training = false;  // kind = "training": the job's workers (one group per job)
   std::vector<std::string> command;
@@ -72,6 +72,21 @@ struct GroupSpec {
   std::map<std::string, std::string> env;
   std::vector<int> cpus;  // cores to pin to; empty: no pinning
   int line = 0;           // where the group's table starts in the file
+
+  // Replica r of a service listens on the health check's port + r, so that several replicas
+  // on one node do not collide (a group placed on every node: r is the node's index). Its
+  // health check, published endpoint and LOOM_SERVICE_<NAME> use that port; 0 when the health
+  // check has none.
+  int port_of(int replica) const;
+  // The command and env of replica r: "{port}" replaced by port_of(r) and "{replica}" by r in
+  // every argument and value (other braces are left as they are).
+  std::vector<std::string> command_of(int replica) const;
+  std::map<std::string, std::string> env_of(int replica) const;
+  // How many replicas the service has in a job of `nodes` nodes (JobSpec::nodes).
+  int replica_count(int nodes) const;
+  // The name a long-lived replica has in `loom service`'s registry: the group's name for
+  // replica 0, "<name>@<r>" for replica r > 0.
+  std::string registry_name(int replica) const;
 };
 
 struct LOOM_API JobSpec {

@@ -126,10 +126,10 @@ TEST_F(JobSpecs, EveryFieldOfAFullSpecIsRead) {
                 ": 4 group(s) on 2 node(s); start order: cache data train eval\n"
                 "  cache: loom data cache --dir /tmp/cache\n"
                 "    every node, restart always (at most 3, backoff 1 s), scope long-lived, "
-                "health http :9100/healthz\n"
+                "health http :9100-9101/healthz\n"
                 "  data: loom data service --port 7000\n"
                 "    3 replica(s) spread, restart on-failure (at most 5, backoff 0.5 s), scope "
-                "job, health tcp port 7000, after cache\n"
+                "job, health tcp port 7000-7002, after cache\n"
                 "  train (training): build/examples/gpt --config=examples/gpt/configs/tiny.toml\n"
                 "    2 per node, restart on-failure (at most 2, backoff 1 s), scope generation, "
                 "health none (ready once started), after data\n"
@@ -138,6 +138,31 @@ TEST_F(JobSpecs, EveryFieldOfAFullSpecIsRead) {
                 "heartbeats through the store\n"
                 "  node 0: cache/0 data/0 data/2 train/0 train/1\n"
                 "  node 1: cache/1 data/1 train/0 train/1 eval/0\n");
+}
+
+// Replica r listens on the health check's port + r: "{port}" and "{replica}" in the command and
+// the env are that replica's; other braces are the program's.
+TEST_F(JobSpecs, EachReplicaGetsItsOwnPort) {
+  const auto path = write(
+      "[group.train]\nkind = \"training\"\ncommand = [\"prog\"]\n"
+      "[group.web]\ncommand = [\"serve\", \"--port={port}\", \"--id\", \"{replica}\", \"{x}\"]\n"
+      "placement = \"spread\"\nreplicas = 3\nhealth = { tcp = 7000 }\n"
+      "env = { URL = \"http://127.0.0.1:{port}/{replica}\", PLAIN = \"1\" }\n"
+      "[group.eval]\ncommand = [\"eval\", \"{replica}\"]\n");
+  const JobSpec spec = parse_job_spec(path);
+  const GroupSpec& web = *spec.find("web");
+  EXPECT_EQ(web.replica_count(spec.nodes), 3);
+  EXPECT_EQ(web.port_of(0), 7000);
+  EXPECT_EQ(web.port_of(2), 7002);
+  EXPECT_EQ(web.command_of(2),
+            (std::vector<std::string>{"serve", "--port=7002", "--id", "2", "{x}"}));
+  EXPECT_EQ(web.env_of(1), (std::map<std::string, std::string>{
+                               {"PLAIN", "1"}, {"URL", "http://127.0.0.1:7001/1"}}));
+  EXPECT_EQ(web.registry_name(0), "web");
+  EXPECT_EQ(web.registry_name(2), "web@2");
+  const GroupSpec& eval = *spec.find("eval");
+  EXPECT_EQ(eval.port_of(0), 0);  // no health port
+  EXPECT_EQ(eval.command_of(0), (std::vector<std::string>{"eval", "0"}));
 }
 
 TEST_F(JobSpecs, TheExampleJobsAreValid) {
@@ -197,6 +222,24 @@ TEST_F(JobSpecs, BadSpecsNameTheFileTheLineAndTheKey) {
             file +
                 ":1: group.train: the training group cannot be waited for (services start "
                 "before it)");
+  EXPECT_EQ(error(train + "[group.data]\ncommand = [\"d\", \"{port}\"]\n"),
+            file +
+                ":4: group.data: {port} needs a health check with a port (health = { tcp = "
+                "PORT } or { http = \"/path\", port = PORT }): replica r gets PORT + r");
+  EXPECT_EQ(error(train + "[group.data]\ncommand = [\"d\"]\nplacement = \"spread\"\n"
+                          "replicas = 3\nhealth = { tcp = 65534 }\n"),
+            file +
+                ":4: group.data.health: replica 2 would listen on port 65536 (the health "
+                "check's port + the replica's index), beyond 65535; lower the port");
+  EXPECT_EQ(error(train + "[group.name]\ncommand = [\"d\"]\n"),
+            file +
+                ":4: group.name: the name is taken: a service gets its own name and replica as "
+                "LOOM_SERVICE_NAME; rename the group");
+  EXPECT_EQ(error(train + "[group.data-set]\ncommand = [\"d\"]\n[group.data_set]\ncommand = "
+                          "[\"d\"]\n"),
+            file +
+                ":6: group.data_set: groups data-set and data_set would both be found as "
+                "LOOM_SERVICE_DATA_SET; rename one of them");
   EXPECT_EQ(error("[jobs]\nnodes = 2\n"),
             file + ":1: jobs: unknown key; the keys here are job and group");
   EXPECT_EQ(error_of<ConfigError>([&] { parse_job_spec(dir_ / "missing.toml"); }),
