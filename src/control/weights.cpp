@@ -346,7 +346,9 @@ class ShmSource {
     if (raw < 0) {
       LOOM_CHECK(errno == ENOENT, IoError, where_, ": opening ", path_,
                  " failed: ", errno_text(errno));
-      if (state_.empty() || state_ == kCreating) state_ = "there is no " + path_;
+      if (state_.empty() || state_ == kCreating) {
+        state_ = "there is no " + path_ + " (a publisher creates it at its first publish)";
+      }
       return false;
     }
     auto fd = std::make_unique<util::UniqueFd>(raw);

@@ -140,7 +140,8 @@ TEST(Weights, AMissingPublisherIsATimeoutSayingWhatToDo) {
             "weights \"" + unique_name("missing") +
                 "\": no publisher within 30 ms: there is no /dev/shm/loom-weights-" +
                 unique_name("missing") +
-                ". Start the publisher on this host under that name (a publisher on another host "
+                " (a publisher creates it at its first publish). Start the publisher on this host "
+                "under that name (a publisher on another host "
                 "is reached as HOST:PORT, its endpoint())");
 }
 
