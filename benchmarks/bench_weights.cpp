@@ -138,11 +138,12 @@ struct Transport {
 
 void report_pair(const WeightsSettings& s, const std::string& case_name, double loom_s,
                  double base_s, const std::string& baseline_name, double bytes, double loom_spread,
-                 double base_spread) {
+                 double base_spread, double publish_s) {
   const double gb = bytes / 1e9;
   Row row{"data", case_name, gb / loom_s, gb / base_s, baseline_name, "GB/s", base_s / loom_s};
   row.extra["loom_ms"] = loom_s * 1e3;
   row.extra["baseline_ms"] = base_s * 1e3;
+  row.extra["publish_ms"] = publish_s * 1e3;  // how long publish() held the trainer
   if (loom_spread >= 0) {
     row.extra["loom_spread_ms"] = loom_spread * 1e3;
     row.extra["baseline_spread_ms"] = base_spread * 1e3;
@@ -150,9 +151,9 @@ void report_pair(const WeightsSettings& s, const std::string& case_name, double 
   if (s.json) {
     print_json(row);
   } else {
-    std::printf("%-34s %10.2f %10.2f  %-28s %6.2fx  %s (%.1f vs %.1f ms)\n", case_name.c_str(),
-                row.loom, row.baseline, baseline_name.c_str(), row.ratio, row.unit.c_str(),
-                loom_s * 1e3, base_s * 1e3);
+    std::printf("%-34s %10.2f %10.2f  %-28s %6.2fx  %s (%.1f vs %.1f ms; publish %.1f ms)\n",
+                case_name.c_str(), row.loom, row.baseline, baseline_name.c_str(), row.ratio,
+                row.unit.c_str(), loom_s * 1e3, base_s * 1e3, publish_s * 1e3);
   }
   std::fflush(stdout);
 }
@@ -169,13 +170,14 @@ void measure(const WeightsSettings& s, const Transport& t) {
   std::vector<std::map<std::string, at::Tensor>> versions = {model_of(bytes, 0),
                                                              model_of(bytes, 1)};
   const auto source = at::full({bytes}, 1, at::kByte);
-  std::vector<double> loom_s, base_s;
+  std::vector<double> loom_s, base_s, publish_s;  // publish_s: the trainer's part of loom_s
   at::Tensor warm_destination = at::zeros({bytes}, at::kByte);  // faulted in once, here
   for (int r = 0; r < s.rounds; ++r) {
     peer.expect("ready");
     std::this_thread::sleep_for(milliseconds(20));  // the peer is waiting in latest()
     const int64_t start = now_ns();
     publisher.publish(r, versions[r % 2]);
+    publish_s.push_back(static_cast<double>(now_ns() - start) * 1e-9);
     loom_s.push_back(static_cast<double>(peer.expect("done") - start) * 1e-9);
     if (raw) {
       peer.expect("ready");
@@ -201,14 +203,16 @@ void measure(const WeightsSettings& s, const Transport& t) {
   const std::string size = format_bytes(static_cast<double>(bytes));
   const std::string baseline = raw ? "raw_tcp_same_bytes" : "memcpy_same_bytes";
   report_pair(s, "weights/" + t.label + "/" + size + "/cold", loom_s[0], base_s[0], baseline,
-              static_cast<double>(bytes), -1, -1);
+              static_cast<double>(bytes), -1, -1, publish_s[0]);
   if (s.rounds > 1) {
     const auto [loom_median, loom_spread] =
         median_spread(std::vector<double>(loom_s.begin() + 1, loom_s.end()));
     const auto [base_median, base_spread] =
         median_spread(std::vector<double>(base_s.begin() + 1, base_s.end()));
+    const double publish_median =
+        median_spread(std::vector<double>(publish_s.begin() + 1, publish_s.end())).first;
     report_pair(s, "weights/" + t.label + "/" + size + "/warm", loom_median, base_median, baseline,
-                static_cast<double>(bytes), loom_spread, base_spread);
+                static_cast<double>(bytes), loom_spread, base_spread, publish_median);
   }
 }
 
