@@ -448,6 +448,11 @@ class TcpSource {
         socket_.reset();
         if (util::expired(deadline)) throw Timeout(timeout_message(newer_than, timeout));
         continue;
+      } catch (const Error&) {
+        // A reply that is late or not Loom's: this connection's next line could be its answer
+        // to this request, so it is not used again.
+        socket_.reset();
+        throw;
       }
       if (reply.status == "ok") {
         receive(reply, into);

@@ -177,7 +177,9 @@ std::string Socket::read_line(size_t max_bytes, SteadyClock::time_point deadline
           detail::concat("weights at ", peer_, ": receiving failed: ", errno_text(errno)));
     }
     if (!wait_for(POLLIN, deadline)) {
-      throw Timeout(detail::concat("weights at ", peer_, ": no reply line in time"));
+      throw Timeout(detail::concat("weights at ", peer_,
+                                   ": no complete line in time (a publisher answers every request "
+                                   "within its timeout: is it stuck, or not a Loom publisher?)"));
     }
   }
 }

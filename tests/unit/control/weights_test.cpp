@@ -231,6 +231,23 @@ TEST(Weights, TcpSubscribersReceiveTheSameBytes) {
                        "weights at " + endpoint + ": no publisher answered within 100 ms ("));
 }
 
+// Subscribers beyond max_connections are told so, and served once a connection closes.
+TEST(Weights, SubscribersBeyondMaxConnectionsAreToldSo) {
+  WeightPublisher publisher(unique_name("busy"), {.listen = "127.0.0.1:0", .max_connections = 1});
+  publisher.publish(1, weights_of(1));
+  auto first = std::make_unique<WeightSubscriber>(publisher.endpoint());
+  expect_bitwise(first->latest(), 1);  // its connection stays open
+  WeightSubscriber second(publisher.endpoint());
+  EXPECT_EQ(error_of<Timeout>([&] { second.latest(-1, milliseconds(200)); }),
+            "weights at " + publisher.endpoint() +
+                ": no publisher answered within 200 ms (this publisher serves at most 1 "
+                "subscribers at once (WeightPublisherOptions::max_connections); try again later). "
+                "Is the publisher running with WeightPublisherOptions::listen, and is this its "
+                "endpoint(), reachable from this host?");
+  first.reset();
+  expect_bitwise(second.latest(-1, milliseconds(10000)), 1);
+}
+
 // A listener that answers every connection with `reply` and closes.
 class FakePeer {
  public:
