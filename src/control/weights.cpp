@@ -311,6 +311,11 @@ class ShmSource {
       if (read.status == ReadStatus::kTorn) {
         ++into.torn_reads;
         ++torn_total;
+        LOOM_CHECK(!util::expired(deadline), Timeout, where_, ": no whole version within ",
+                   timeout.count(), " ms: the publisher overwrote ", into.torn_reads,
+                   " reads of this call while they were copied; it publishes faster than this "
+                   "subscriber copies: raise WeightPublisherOptions::slots (now ",
+                   mapping_->header().slot_count, ")");
         continue;
       }
       if (read.status == ReadStatus::kOk) {

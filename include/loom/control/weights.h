@@ -36,7 +36,7 @@ namespace loom::control {
 
 struct WeightPublisherOptions {
   // Versions the segment holds (3 to 64). A subscriber that copies a version out within
-  // slots - 1 publishes never retries; a slower one retries until it is fast enough.
+  // slots - 1 publishes never retries; a slower one retries, and times out if it never is.
   int slots = 3;
   // "" serves this host only (shared memory); "ADDRESS:PORT" (e.g. "0.0.0.0:0", port 0: any
   // free one) also serves over TCP: endpoint() says where.
