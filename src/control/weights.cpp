@@ -427,9 +427,13 @@ class TcpSource {
   void latest_into(WeightVersion& into, int64_t newer_than, milliseconds timeout) {
     const auto deadline = util::deadline_after(timeout);
     into.torn_reads = 0;
+    said_.clear();
     while (true) {
       if (socket_ == nullptr) {
-        socket_ = Socket::connect(address_, deadline, state_);
+        std::string why;
+        socket_ = Socket::connect(address_, deadline, why);
+        // What the publisher itself said last (busy, closing) says more than a connect failure.
+        if (socket_ == nullptr && said_.empty()) state_ = why;
         if (socket_ == nullptr) {
           if (util::expired(deadline)) throw Timeout(timeout_message(newer_than, timeout));
           std::this_thread::sleep_for(std::min(milliseconds(50), util::time_left(deadline)));
@@ -449,7 +453,7 @@ class TcpSource {
         reply = parse_reply(line, static_cast<uint64_t>(options_.max_bytes), where_);
       } catch (const CommError& e) {
         // The publisher went away between requests (or restarted): connect again.
-        state_ = e.what();
+        if (said_.empty()) state_ = e.what();
         socket_.reset();
         if (util::expired(deadline)) throw Timeout(timeout_message(newer_than, timeout));
         continue;
@@ -465,7 +469,7 @@ class TcpSource {
       }
       newest_ = reply.latest;
       if (reply.status == "closed" || reply.status == "busy") {
-        state_ = reply.message;
+        state_ = said_ = reply.message;
         socket_.reset();
         if (util::expired(deadline)) throw Timeout(timeout_message(newer_than, timeout));
         std::this_thread::sleep_for(std::min(milliseconds(50), util::time_left(deadline)));
@@ -517,7 +521,8 @@ class TcpSource {
   const std::string where_;
   std::unique_ptr<Socket> socket_;
   int64_t newest_ = -1;
-  std::string state_ = "not connected yet";
+  std::string state_ = "not connected yet";  // why there is no answer, for messages
+  std::string said_;  // the publisher's last message in this call (busy, closing)
 };
 
 // A name has no ':'; "HOST:PORT" does.
