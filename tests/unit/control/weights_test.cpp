@@ -248,6 +248,22 @@ TEST(Weights, SubscribersBeyondMaxConnectionsAreToldSo) {
   expect_bitwise(second.latest(-1, milliseconds(10000)), 1);
 }
 
+// Under model parallelism a rank holds pieces: publishing them as the whole model is refused.
+TEST(Weights, PublishParametersRefusesPiecesOfAModelParallelModel) {
+  testing::expect_all_ok(testing::run_threads(1, [&](testing::Rank& r) {
+    auto group = comm::new_gloo_group(r.store, r.rank, r.world);
+    torch::nn::Sequential model(torch::nn::Linear(4, 8));
+    parallel::DataParallelOptions options;
+    options.model_parallel.tied = {{"0.weight", group.get()}};
+    parallel::DataParallel dp(model.ptr(), *group, options);
+    WeightPublisher publisher(unique_name("mp"));
+    EXPECT_EQ(error_of<InvalidArgument>([&] { publish_parameters(dp, &publisher, 1); }),
+              "publish_parameters gathers data-parallel shards only; under tensor or pipeline "
+              "parallelism publish each model-parallel rank's own parameters (strategy.module()) "
+              "under a name of its own");
+  }));
+}
+
 // A listener that answers every connection with `reply` and closes.
 class FakePeer {
  public:
