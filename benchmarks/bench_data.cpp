@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "bench_report.h"
+#include "bench_weights.h"
 #ifdef LOOM_BENCH_REMOTE
 #include "harness/servers.h"
 #endif
@@ -551,10 +552,16 @@ int main(int argc, char** argv) {
                  "where the datasets are built (kept; default $TMPDIR/loom-bench-data)");
   app.add_option("--mode", s.mode,
                  "local: the Reader beside the limit and the DataLoader; remote: through nginx "
-                 "on loopback (warm cache beside local, cold start with and without lookahead)")
-      ->check(CLI::IsMember({"local", "remote"}))
+                 "on loopback (warm cache beside local, cold start with and without lookahead); "
+                 "weights: weight snapshots beside memcpy and raw TCP (weights-peer: its "
+                 "subscriber process)")
+      ->check(CLI::IsMember({"local", "remote", "weights", "weights-peer"}))
       ->capture_default_str();
-  app.add_option("--rounds", s.rounds, "remote: rounds, the two sides interleaved")
+  loom::bench::WeightsSettings w;
+  app.add_option("--weights-mib", w.mib, "weights: MiB per version")->capture_default_str();
+  app.add_option("--weights-source", w.peer_source, "weights-peer: the subscriber's source");
+  app.add_option("--weights-raw", w.peer_raw, "weights-peer: the raw TCP baseline's address");
+  app.add_option("--rounds", s.rounds, "remote, weights: rounds, the two sides interleaved")
       ->capture_default_str();
   app.add_option("--compute-ms", s.compute_ms, "remote cold start: the trainer's time per step")
       ->capture_default_str();
@@ -562,7 +569,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--json", s.json, "print one JSON object per row");
   CLI11_PARSE(app, argc, argv);
+  w.rounds = s.rounds;
+  w.json = s.json;
   try {
+    if (s.mode == "weights") return loom::bench::run_weights(w);
+    if (s.mode == "weights-peer") return loom::bench::run_weights_peer(w);
     return run(s);
   } catch (const std::exception& e) {
     std::cerr << "bench_data: error: " << e.what() << std::endl;

@@ -12,6 +12,7 @@
 #include "loom/control/coordinator.h"
 #include "loom/control/store.h"
 #include "loom/control/tls.h"
+#include "loom/control/weights.h"
 #include "loom/data/dataset.h"
 #include "loom/data/reader.h"
 #include "loom/data/sampler.h"

@@ -17,6 +17,7 @@
 
 #include "harness/certs.h"
 #include "harness/harness.h"
+#include "harness/network_namespaces.h"
 #include "util/files.h"
 #include "util/subprocess.h"
 
@@ -646,39 +647,7 @@ TEST_F(Launcher, WrongTokenIsRefused) {
   EXPECT_NE(node0.text().find("refused Join"), std::string::npos) << node0.text();
 }
 
-// Two network namespaces joined by a veth pair: each "node" has its own address, as on two
-// machines. Needs root (ip netns); skipped otherwise.
-class NetworkNamespaces {
- public:
-  NetworkNamespaces() {
-    const std::string id = std::to_string(::getpid() % 100000);
-    ns_ = {"loom-a-" + id, "loom-b-" + id};
-    const std::string va = "lma" + id, vb = "lmb" + id;
-    ok_ = sh("ip netns add " + ns_[0]) && sh("ip netns add " + ns_[1]) &&
-          sh("ip link add " + va + " type veth peer name " + vb) &&
-          sh("ip link set " + va + " netns " + ns_[0]) &&
-          sh("ip link set " + vb + " netns " + ns_[1]) &&
-          in(0, "ip addr add 10.231.0.1/24 dev " + va) &&
-          in(1, "ip addr add 10.231.0.2/24 dev " + vb) && in(0, "ip link set " + va + " up") &&
-          in(1, "ip link set " + vb + " up") && in(0, "ip link set lo up") &&
-          in(1, "ip link set lo up");
-  }
-  ~NetworkNamespaces() {
-    for (const auto& ns : ns_) sh("ip netns del " + ns);
-  }
-  bool ok() const { return ok_; }
-  const std::string& name(int i) const { return ns_[static_cast<size_t>(i)]; }
-
- private:
-  static bool sh(const std::string& command) {
-    return std::system((command + " >/dev/null 2>&1").c_str()) == 0;
-  }
-  bool in(int i, const std::string& command) {
-    return sh("ip netns exec " + name(i) + " " + command);
-  }
-  std::vector<std::string> ns_;
-  bool ok_ = false;
-};
+using testing::NetworkNamespaces;
 
 // `loom run` as node `node` of a two-node job inside namespace `node`, with `extra` options.
 Launch launch_in_namespace(const NetworkNamespaces& net, int node, const TempDir& dir,
