@@ -6,11 +6,13 @@
 // reads unchecked. Data: the KJV text tokenized by `loom data build text`, and Fashion-MNIST
 // by `loom data build fashion-mnist`.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -21,9 +23,12 @@
 #ifdef LOOM_BENCH_REMOTE
 #include "harness/servers.h"
 #endif
+#include "data/image_codec.h"
 #include "data/shard_format.h"
+#include "loom/data/dataset.h"
 #include "loom/data/reader.h"
 #include "loom/data/remote.h"
+#include "loom/data/service.h"
 #include "loom/error.h"
 #include "util/mapped_file.h"
 #include "util/subprocess.h"
@@ -45,6 +50,7 @@ struct Settings {
   int rounds = 5;
   double compute_ms = 40;
   std::string rate = "8m";
+  int64_t image_side = 256;
   bool json = false;
 };
 
@@ -328,12 +334,13 @@ double restore_seconds(loom::data::Reader& reader, uint64_t position) {
   return seconds_since(start);
 }
 
-#ifdef LOOM_BENCH_REMOTE
 // The median and the spread (max - min) of `v`.
 std::pair<double, double> median_spread(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return {v[v.size() / 2], v.back() - v.front()};
 }
+
+#ifdef LOOM_BENCH_REMOTE
 
 // Milliseconds for a fresh reader with a cold cache to deliver `steps` steps of one sample each,
 // the trainer's compute taking compute_ms per step, with or without the lookahead.
@@ -467,14 +474,151 @@ void remote_cases(const Settings& s, const fs::path& work) {
 }
 #endif
 
+// ---- --mode=service: the data service beside the in-process reader ----
+
+// A preprocessing-heavy dataset: JPEG photos-like images (smooth gradients and noise) that every
+// read decodes, with a caption and a label. Built once into the work directory.
+fs::path jpeg_dataset(const fs::path& work, int64_t side) {
+  const fs::path dir = work / ("jpeg" + std::to_string(side));
+  if (fs::exists(dir / "manifest.json")) return dir;
+  fs::remove_all(dir);
+  loom::data::RecordDatasetWriter writer(dir,
+                                         {{.name = "image", .type = loom::data::FieldType::kImage},
+                                          {.name = "label", .type = loom::data::FieldType::kInt}});
+  uint32_t random = 12345;
+  std::vector<uint8_t> pixels(static_cast<size_t>(side * side * 3));
+  for (int r = 0; r < 2048; ++r) {
+    for (int64_t y = 0; y < side; ++y) {
+      for (int64_t x = 0; x < side; ++x) {
+        for (int64_t c = 0; c < 3; ++c) {
+          random = random * 1664525u + 1013904223u;
+          pixels[static_cast<size_t>((y * side + x) * 3 + c)] =
+              static_cast<uint8_t>((x * (c + 1) + y * (3 - c) + r * 7) / 2 + (random >> 29));
+        }
+      }
+    }
+    writer.add(loom::data::Record()
+                   .image(loom::data::image::encode_jpeg(pixels.data(), side, side, 3, 90))
+                   .integer(r % 10));
+  }
+  writer.finish();
+  return dir;
+}
+
+// A `loom data service` process on loopback; stopped (SIGTERM) when destroyed.
+struct ServiceProcess {
+  loom::util::Subprocess process;
+  std::string endpoint;
+  explicit ServiceProcess(const fs::path& log)
+      : process(loom::util::Subprocess::spawn(
+            {.argv = {LOOM_BINARY_DIR "/tools/loom/loom", "data", "service", "--host", "127.0.0.1",
+                      "--port", "0"},
+             .env = {{"OMP_NUM_THREADS", "1"}},
+             .output = log})) {
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    const std::string mark = "serving at ";
+    while (endpoint.empty()) {
+      LOOM_CHECK(Clock::now() < deadline, loom::Error, "loom data service did not start; see ",
+                 log.string());
+      std::ifstream in(log);
+      const std::string text((std::istreambuf_iterator<char>(in)), {});
+      const size_t at = text.find(mark);
+      if (at != std::string::npos && text.find(' ', at + mark.size()) != std::string::npos) {
+        endpoint =
+            text.substr(at + mark.size(), text.find(' ', at + mark.size()) - at - mark.size());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  ~ServiceProcess() {
+    process.signal(SIGTERM);
+    process.wait();
+  }
+};
+
+// The trainer's compute for one step: matrix products on its one thread for about `ms`.
+void compute_for(double ms, const at::Tensor& a) {
+  const auto start = Clock::now();
+  while (seconds_since(start) * 1e3 < ms) keep(at::mm(a, a).data_ptr());
+}
+
+// Samples per second one trainer gets from `source` over `seconds`, computing `compute_ms` per
+// step (after 3 warm-up steps, not counted).
+double trainer_rate(loom::data::BatchSource& source, double seconds, double compute_ms) {
+  const at::Tensor a = at::rand({128, 128});
+  for (int i = 0; i < 3; ++i) source.next();
+  uint64_t samples = 0;
+  const auto start = Clock::now();
+  while (seconds_since(start) < seconds) {
+    samples += static_cast<uint64_t>(source.next().num_real);
+    if (compute_ms > 0) compute_for(compute_ms, a);
+  }
+  return static_cast<double>(samples) / seconds_since(start);
+}
+
+void service_cases(const Settings& s, const fs::path& work) {
+  at::set_num_threads(1);  // the trainer: one thread, as each rank of a 2-rank job here
+  const int64_t side = s.image_side;
+  const fs::path ds = jpeg_dataset(work, side);
+  const loom::data::ReaderOptions options{.batch_size = 32, .seed = 1, .prefetch = 4};
+  std::vector<std::unique_ptr<ServiceProcess>> services;
+  for (int i = 0; i < 2; ++i) {
+    services.push_back(
+        std::make_unique<ServiceProcess>(work / ("service" + std::to_string(i) + ".log")));
+  }
+  for (const double compute : {0.0, s.compute_ms}) {
+    // Rounds interleaved: each round measures the in-process reader, then 1 and 2 replicas.
+    std::vector<double> local, one, two;
+    for (int round = 0; round < s.rounds; ++round) {
+      {
+        loom::data::Reader reader(ds, options);
+        local.push_back(trainer_rate(reader, s.seconds, compute));
+      }
+      for (const int replicas : {1, 2}) {
+        loom::data::ServiceReaderOptions service;
+        for (int i = 0; i < replicas; ++i) service.endpoints.push_back(services[i]->endpoint);
+        service.prefetch = 4;
+        loom::data::ServiceReader reader(ds.string(), options, service);
+        (replicas == 1 ? one : two).push_back(trainer_rate(reader, s.seconds, compute));
+      }
+    }
+    const auto [l, l_spread] = median_spread(local);
+    for (const int replicas : {1, 2}) {
+      const std::vector<double>& got = replicas == 1 ? one : two;
+      std::vector<double> ratio;
+      for (size_t i = 0; i < got.size(); ++i) ratio.push_back(got[i] / local[i]);
+      const auto [g, g_spread] = median_spread(got);
+      report(s, {"data",
+                 "service/jpeg" + std::to_string(side) + "/" + std::to_string(replicas) +
+                     "replica" + (replicas > 1 ? "s" : "") + "/compute" +
+                     std::to_string(static_cast<int>(compute)) + "ms",
+                 g,
+                 l,
+                 "the in-process Reader (prefetch 4)",
+                 "samples/s",
+                 median_spread(ratio).first,
+                 {{"rounds", static_cast<double>(s.rounds)},
+                  {"loom_spread", g_spread},
+                  {"baseline_spread", l_spread},
+                  {"compute_ms", compute},
+                  {"batch", 32}}});
+    }
+  }
+}
+
 int run(const Settings& s) {
   const fs::path work =
       s.work_dir.empty() ? fs::temp_directory_path() / "loom-bench-data" : fs::path(s.work_dir);
-  prepare(s, work);
   if (!s.json) {
     std::printf("%-30s %14s %14s  %-34s %7s  %s\n", "case", "loom", "baseline", "baseline", "ratio",
                 "unit");
   }
+  if (s.mode == "service") {
+    fs::create_directories(work);
+    service_cases(s, work);
+    return 0;
+  }
+  prepare(s, work);
   if (s.mode == "remote") {
 #ifdef LOOM_BENCH_REMOTE
     remote_cases(s, work);
@@ -554,18 +698,22 @@ int main(int argc, char** argv) {
                  "local: the Reader beside the limit and the DataLoader; remote: through nginx "
                  "on loopback (warm cache beside local, cold start with and without lookahead); "
                  "weights: weight snapshots beside memcpy and raw TCP (weights-peer: its "
-                 "subscriber process)")
-      ->check(CLI::IsMember({"local", "remote", "weights", "weights-peer"}))
+                 "subscriber process); service: JPEG images decoded by `loom data service` "
+                 "processes (1 and 2 replicas) beside the in-process Reader, for one trainer")
+      ->check(CLI::IsMember({"local", "remote", "weights", "weights-peer", "service"}))
       ->capture_default_str();
   loom::bench::WeightsSettings w;
   app.add_option("--weights-mib", w.mib, "weights: MiB per version")->capture_default_str();
   app.add_option("--weights-source", w.peer_source, "weights-peer: the subscriber's source");
   app.add_option("--weights-raw", w.peer_raw, "weights-peer: the raw TCP baseline's address");
-  app.add_option("--rounds", s.rounds, "remote, weights: rounds, the two sides interleaved")
+  app.add_option("--rounds", s.rounds, "remote, weights, service: rounds, the sides interleaved")
       ->capture_default_str();
-  app.add_option("--compute-ms", s.compute_ms, "remote cold start: the trainer's time per step")
+  app.add_option("--compute-ms", s.compute_ms,
+                 "remote cold start, service: the trainer's compute per step")
       ->capture_default_str();
   app.add_option("--rate", s.rate, "remote cold start: the server's bandwidth (nginx limit_rate)")
+      ->capture_default_str();
+  app.add_option("--image-side", s.image_side, "service: the JPEG images' height and width")
       ->capture_default_str();
   app.add_flag("--json", s.json, "print one JSON object per row");
   CLI11_PARSE(app, argc, argv);

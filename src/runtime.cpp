@@ -28,6 +28,7 @@
 #include "loom/control/store.h"
 #include "loom/data/mixture.h"
 #include "loom/data/reader.h"
+#include "loom/data/service.h"
 #include "loom/error.h"
 #include "loom/metrics/logger.h"
 #include "loom/parallel/mesh.h"
@@ -503,6 +504,18 @@ std::unique_ptr<data::Reader> Runtime::open_dataset(const std::filesystem::path&
   // What `loom data show|serve RUN_DIR` read back: the run's datasets and reader options.
   if (rank() == 0) data::record_run_reader(impl_->run_dir, dir.string(), *reader);
   return reader;
+}
+
+std::unique_ptr<data::ServiceReader> Runtime::open_data_service(
+    const std::string& service, const std::filesystem::path& dataset,
+    data::ReaderOptions options) const {
+  std::tie(options.rank, options.world_size) = data_shard(*this);
+  return std::make_unique<data::ServiceReader>(
+      dataset.string(), options,
+      data::ServiceReaderOptions{.endpoints = this->service(service),
+                                 .resolve = [this, service] { return this->service(service); },
+                                 .service = service,
+                                 .token = impl_->topology.job_token});
 }
 
 std::unique_ptr<data::Mixture> Runtime::open_mixture(std::vector<data::MixtureSource> sources,

@@ -14,6 +14,9 @@ loom::ConfigSchema config_schema() {
   s.merge(loom::parallel::strategy_schema());                  // parallel.mode, ...
   s.add("data.train", "data/kjv-train-bpe",
         "training token dataset: a directory (loom data build text) or a registry name (kjv@3)");
+  s.add("data.service", "",
+        "read the training batches from this data service of the job spec (loom data service; "
+        "the same batches, read and decoded in its processes); empty: in this process");
   s.add("data.val", "data/kjv-val-bpe",
         "held-out token dataset (directory or registry name), same tokenizer");
   s.add("model.n_layer", 4, "transformer blocks (L)");

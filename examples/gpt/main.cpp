@@ -102,8 +102,18 @@ void train(loom::Runtime& rt) {
                            .n_embd = cfg.get<int64_t>("model.n_embd")};
 
   const std::string train_dir = cfg.get<std::string>("data.train");
-  auto reader = rt.open_dataset(
-      train_dir, {.batch_size = batch, .seq_len = model_cfg.seq_len, .seed = rt.seed()});
+  const std::string service = cfg.get<std::string>("data.service");
+  // With a data service the training batches come from its processes, the same bit for bit;
+  // the dataset is still opened here, for its vocabulary and sizes (and for `loom data show`).
+  loom::data::ReaderOptions train_options{.batch_size = batch,
+                                          .seq_len = model_cfg.seq_len,
+                                          .seed = rt.seed(),
+                                          .prefetch = service.empty() ? 2 : 0};
+  auto reader = rt.open_dataset(train_dir, train_options);
+  std::unique_ptr<loom::data::ServiceReader> served;
+  if (!service.empty()) served = rt.open_data_service(service, train_dir, train_options);
+  loom::data::BatchSource& batches =
+      served != nullptr ? static_cast<loom::data::BatchSource&>(*served) : *reader;
   const loom::data::Reader val(cfg.get<std::string>("data.val"),
                                {.seq_len = model_cfg.seq_len, .prefetch = 0});
   LOOM_CHECK(val.manifest().vocab_size == reader->manifest().vocab_size, loom::ConfigError,
@@ -233,7 +243,7 @@ void train(loom::Runtime& rt) {
                pipe_options.micro_batches, " micro-batches; choose a batch size that does");
     pipeline = std::make_unique<loom::parallel::Pipeline>(*pp, std::move(stages), pipe_options);
     trainer = std::make_unique<loom::train::Trainer>(
-        rt, *strategy, *reader, options, loom::train::BatchStep{[&](const loom::data::Batch& b) {
+        rt, *strategy, batches, options, loom::train::BatchStep{[&](const loom::data::Batch& b) {
           const at::Tensor tokens = b["tokens"].to(rt.device());
           const double loss =
               pipeline->step(tokens.slice(1, 0, -1), tokens.slice(1, 1),
@@ -246,7 +256,7 @@ void train(loom::Runtime& rt) {
         callbacks);
   } else {
     trainer = std::make_unique<loom::train::Trainer>(
-        rt, *strategy, *reader, options,
+        rt, *strategy, batches, options,
         [&](const loom::data::Batch& b) {
           const at::Tensor tokens = b["tokens"].to(rt.device());
           const at::Tensor loss = model->loss(tokens.slice(1, 0, -1), tokens.slice(1, 1));

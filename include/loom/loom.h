@@ -16,6 +16,7 @@
 #include "loom/data/dataset.h"
 #include "loom/data/reader.h"
 #include "loom/data/sampler.h"
+#include "loom/data/service.h"
 #include "loom/data/vocabulary.h"
 #include "loom/error.h"
 #include "loom/log.h"

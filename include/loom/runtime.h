@@ -38,6 +38,7 @@ class Store;
 namespace data {
 class Mixture;
 class Reader;
+class ServiceReader;
 struct MixtureOptions;
 struct MixtureSource;
 struct ReaderOptions;
@@ -152,6 +153,16 @@ class LOOM_API Runtime {
   // The same for a mixture of datasets (loom/data/mixture.h), recorded the same way.
   std::unique_ptr<data::Mixture> open_mixture(std::vector<data::MixtureSource> sources,
                                               data::MixtureOptions options) const;
+
+  // Batches of `dataset` from the data service named `service` (`loom data service` in the
+  // job spec; loom/data/service.h): the same batches, bit for bit, as open_dataset(dataset,
+  // options) gives, read and decoded in the service's processes. Its replicas are service(name),
+  // asked again when every one has failed; requests carry the job token. The dataset's path
+  // is the service's (the same on a shared file system). Errors: service()'s, then
+  // data::ServiceReader's.
+  std::unique_ptr<data::ServiceReader> open_data_service(const std::string& service,
+                                                         const std::filesystem::path& dataset,
+                                                         data::ReaderOptions options) const;
 
   // The job's rendezvous store, created on first use: under `loom run` the coordinator's
   // key-value store, its keys scoped to this generation; with LOOM_STORE_DIR a FileStore in

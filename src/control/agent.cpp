@@ -267,7 +267,7 @@ class Agent {
     const bool first = !services_;
     if (first) {
       services_ = std::make_unique<ServiceSupervisor>(
-          *options_.job, static_cast<int>(node_rank_), options_.run_dir, advertise_,
+          *options_.job, static_cast<int>(node_rank_), options_.run_dir, advertise_, options_.token,
           ServiceRegistry::default_dir(),
           [this](const std::string& key, const std::string& value) { store_->set(key, value); },
           [](const std::string& line) { say(line); });

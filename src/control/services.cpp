@@ -48,11 +48,12 @@ struct ServiceSupervisor::Process {
 };
 
 ServiceSupervisor::ServiceSupervisor(const JobSpec& spec, int node, std::filesystem::path run_dir,
-                                     std::string host, std::filesystem::path service_dir,
-                                     Publish publish, Say say)
+                                     std::string host, std::string token,
+                                     std::filesystem::path service_dir, Publish publish, Say say)
     : node_(node),
       run_dir_(std::move(run_dir)),
       host_(std::move(host)),
+      token_(std::move(token)),
       service_dir_(std::move(service_dir)),
       publish_(std::move(publish)),
       say_(std::move(say)) {
@@ -80,6 +81,7 @@ void ServiceSupervisor::launch(Process& p) {
   env["LOOM_SERVICE_NAME"] = p.group.name;
   env["LOOM_SERVICE_REPLICA"] = std::to_string(p.replica);
   env["LOOM_RUN_DIR"] = run_dir_.string();
+  if (!token_.empty()) env["LOOM_JOB_TOKEN"] = token_;
   ++p.starts;
   p.stopped = false;
   if (p.long_lived()) {

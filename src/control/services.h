@@ -33,8 +33,10 @@ class ServiceSupervisor {
   // (JobSpec::processes_on). Logs go to <run_dir>/logs/<name>_<replica>.out (a long-lived
   // service's to the registry's <name>.log), the state of every process to
   // <run_dir>/services_node<node>.json. `service_dir`: the registry of long-lived services.
+  // `token`: the job token, given to each service as LOOM_JOB_TOKEN (the workers have it too, so
+  // a service can require it of them, as `loom data service` does).
   ServiceSupervisor(const JobSpec& spec, int node, std::filesystem::path run_dir, std::string host,
-                    std::filesystem::path service_dir, Publish publish, Say say);
+                    std::string token, std::filesystem::path service_dir, Publish publish, Say say);
   ~ServiceSupervisor();
   ServiceSupervisor(const ServiceSupervisor&) = delete;
   ServiceSupervisor& operator=(const ServiceSupervisor&) = delete;
@@ -77,6 +79,7 @@ class ServiceSupervisor {
   int node_ = 0;
   std::filesystem::path run_dir_;
   std::string host_;
+  std::string token_;
   std::filesystem::path service_dir_;
   Publish publish_;
   Say say_;

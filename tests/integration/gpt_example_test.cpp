@@ -2,17 +2,28 @@
 // and FSDP train alike, bitwise at one rank, with activation checkpointing too; FSDP at two
 // ranks as DDP does), and the result is the held-out loss at the last step even when
 // train.steps is not a multiple of train.eval_every.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "harness/harness.h"
+#include "harness/servers.h"
+#include "loom/error.h"
+#include "util/files.h"
 #include "util/subprocess.h"
 
 namespace loom {
@@ -210,6 +221,161 @@ TEST_F(GptExample, ModelParallelLayoutsTrainAsDdpDoesAndResumeAcrossThem) {
       "train.batch_size (4) over 2 data-parallel replica(s) is 2 sequences per pipeline step, "
       "which does not split into parallel.pp_micro_batches = 4 micro-batches"))
       << uneven.output;
+}
+
+// The pids of the processes whose command line holds every one of `parts`.
+std::vector<int> pids_of(const std::vector<std::string>& parts) {
+  std::vector<int> out;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string cmdline;
+    try {
+      cmdline = util::read_file(entry.path() / "cmdline");
+    } catch (const Error&) {
+      continue;  // exited meanwhile
+    }
+    bool all = true;
+    for (const std::string& part : parts) all = all && testing::contains(cmdline, part);
+    if (all) out.push_back(std::stoi(name));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The job-spec acceptance of issue #22: 2 GPT workers read their batches from a 2-replica data
+// service (`loom data service`), beside a job-scoped evaluator. A SIGKILLed data replica
+// restarts alone: the workers keep their pids and read through the other replica meanwhile. A
+// SIGKILLed worker restarts training (from its checkpoint): the services keep their pids. Every
+// step's loss equals, bitwise, the same run reading in process: the service's batches are the
+// Reader's, bit for bit, and resume is exact.
+TEST_F(GptExample, ADataServiceFeedsTrainingBitForBitThroughReplicaAndWorkerFailures) {
+  const std::vector<std::string> flags = {"--train.steps=40", "--train.checkpoint_every=10",
+                                          "--train.eval_every=0"};
+  const auto local = train_ranks("local", 2, flags);
+  ASSERT_EQ(local.exit_code, 0) << local.output;
+  const auto reference = losses("local");
+  ASSERT_EQ(reference.size(), 40u);
+
+  // Two consecutive free ports: replica r listens on base + r ({port}).
+  int base = 0;
+  for (int attempt = 0; attempt < 20 && base == 0; ++attempt) {
+    const int p = testing::free_port();
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(p + 1));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) base = p;
+    ::close(fd);
+  }
+  ASSERT_NE(base, 0);
+  const fs::path run = dir_ / "served";
+  const fs::path evaluator = dir_ / "evaluator.py";
+  std::ofstream(evaluator) << "import os, sys, time\n"
+                              "seen = set()\n"
+                              "while True:\n"
+                              "    ckpt = os.path.join(os.environ['LOOM_RUN_DIR'], 'ckpt')\n"
+                              "    for name in sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) "
+                              "else []:\n"
+                              "        if name not in seen:\n"
+                              "            seen.add(name)\n"
+                              "            print('evaluated', name, flush=True)\n"
+                              "    time.sleep(0.1)\n";
+  std::string train_command;
+  for (const std::string& arg : gpt_argv(flags)) train_command += "\"" + arg + "\", ";
+  const fs::path job = dir_ / "job.toml";
+  std::ofstream(job) << "[group.data]\ncommand = [\"" LOOM_BINARY_DIR
+                        "/tools/loom/loom\", \"data\", \"service\", \"--host\", \"127.0.0.1\", "
+                        "\"--port\", \"{port}\"]\nplacement = \"spread\"\nreplicas = 2\n"
+                        "health = { tcp = "
+                     << base
+                     << " }\nbackoff_seconds = 3\n"
+                        "[group.eval]\ncommand = [\"python3\", \""
+                     << evaluator.string()
+                     << "\"]\nscope = \"job\"\n"
+                        "[group.train]\nkind = \"training\"\ncommand = ["
+                     << train_command
+                     << "\"--data.service=data\"]\nprocs_per_node = 2\nmax_restarts = 1\n"
+                        "after = [\"data\"]\n";
+  util::Subprocess launch =
+      util::Subprocess::spawn({.argv = {LOOM_BINARY_DIR "/tools/loom/loom", "run", "--run-dir",
+                                        run.string(), "--job", job.string()},
+                               .output = dir_ / "job.out"});
+  const auto job_output = [&] { return util::read_file(dir_ / "job.out"); };
+  // Waits until rank 0 has logged step `step`, then stops the workers (SIGSTOP) and returns
+  // their pids, so that what follows happens at a known point of training.
+  const std::vector<std::string> worker_marks = {kGpt, "--data.service=data"};
+  const auto pause_at = [&](int64_t step) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (std::chrono::steady_clock::now() < deadline) {
+      try {
+        const std::map<int64_t, double> got = losses("served");
+        if (!got.empty() && got.rbegin()->first >= step) break;
+      } catch (const json::exception&) {  // a line being written
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::vector<int> workers = pids_of(worker_marks);
+    for (const int pid : workers) ::kill(pid, SIGSTOP);
+    return workers;
+  };
+  const auto services = [&] {
+    std::map<std::string, json> out;  // "data/0" -> its entry
+    for (const json& e : json::parse(util::read_file(run / "services_node0.json"))) {
+      out[e["service"].get<std::string>() + "/" + std::to_string(e["replica"].get<int>())] = e;
+    }
+    return out;
+  };
+
+  // A data replica killed: it restarts alone, after its backoff (3 s); meanwhile the workers
+  // read through the other one.
+  const std::vector<int> workers = pause_at(5);
+  ASSERT_EQ(workers.size(), 2u) << job_output();
+  const auto before = services();
+  ASSERT_EQ(before.size(), 3u);
+  ::kill(before.at("data/0")["pid"].get<int>(), SIGKILL);
+  for (const int pid : workers) ::kill(pid, SIGCONT);
+  EXPECT_EQ(pause_at(15), workers);  // read through data/1 (the workers' logs say so, below)
+  std::map<std::string, json> after;
+  for (int i = 0; i < 400; ++i) {
+    after = services();
+    if (after.at("data/0")["restarts"] == 1 && after.at("data/0")["state"] == "running") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(after.at("data/0")["restarts"], 1) << after.at("data/0");
+  EXPECT_EQ(after.at("data/0")["last_exit"], "killed by signal 9 (Killed)");
+  EXPECT_EQ(after.at("data/1")["pid"], before.at("data/1")["pid"]);
+  EXPECT_EQ(after.at("eval/0")["pid"], before.at("eval/0")["pid"]);
+  for (const int pid : workers) ::kill(pid, SIGCONT);
+
+  // A worker killed: training restarts from its checkpoint (step 20); the services stay.
+  const std::vector<int> paused = pause_at(25);
+  ASSERT_EQ(paused, workers) << "the data replica's restart restarted a worker";
+  ::kill(paused[0], SIGKILL);
+  ::kill(paused[1], SIGCONT);
+  const util::ExitStatus status = launch.wait();
+  ASSERT_TRUE(status.ok()) << status.describe() << "\n" << job_output();
+  const auto end = services();  // each stopped at the end, by the job, never restarted again
+  for (const char* name : {"data/0", "data/1", "eval/0"}) {
+    EXPECT_EQ(end.at(name)["state"], "stopped") << name;
+    EXPECT_EQ(end.at(name)["restarts"], std::string(name) == "data/0" ? 1 : 0) << name;
+  }
+  EXPECT_TRUE(testing::contains(job_output(), "generation 2")) << job_output();
+
+  // Every step's loss, bitwise; the replica's failure was seen and survived.
+  EXPECT_EQ(losses("served"), reference);
+  std::string worker_logs;
+  for (const auto& entry : fs::directory_iterator(run / "logs")) {
+    if (entry.path().filename().string().rfind("worker_", 0) == 0) {
+      worker_logs += util::read_file(entry.path());
+    }
+  }
+  EXPECT_TRUE(testing::contains(worker_logs,
+                                "data service 'data': 127.0.0.1:" + std::to_string(base) + ": "))
+      << worker_logs;
+  const std::string evaluated = util::read_file(run / "logs" / "eval_0.out");
+  EXPECT_TRUE(testing::contains(evaluated, "evaluated")) << evaluated;
 }
 
 TEST_F(GptExample, TheResultIsTheHeldOutLossAfterTheLastStep) {
