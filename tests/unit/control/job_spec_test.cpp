@@ -173,7 +173,7 @@ TEST_F(JobSpecs, TheExampleJobsAreValid) {
     EXPECT_EQ(spec.training().name, "train") << entry.path();
     ++found;
   }
-  EXPECT_EQ(found, 2);
+  EXPECT_EQ(found, 3);
 }
 
 TEST_F(JobSpecs, BadSpecsNameTheFileTheLineAndTheKey) {
