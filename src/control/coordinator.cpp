@@ -10,12 +10,14 @@
 #include <condition_variable>
 #include <fstream>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 
 #include "control/auth.h"
 #include "control/dashboard.h"
 #include "control/membership.h"
+#include "control/service_keys.h"
 #include "control/step_report.h"
 #include "control/tls.h"
 #include "loom.grpc.pb.h"
@@ -111,7 +113,7 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
   CoordinatorOptions options;
   std::string address;
 
-  comm::InMemoryStore store;  // thread-safe on its own
+  mutable comm::InMemoryStore store;  // thread-safe on its own (mutable: its reads are const)
 
   // State below is protected by mutex; changed is notified whenever membership's phase
   // changed (a round closed, a generation ended, the job is over), so that blocked Join calls
@@ -170,9 +172,24 @@ struct Coordinator::Impl final : v1::Coordinator::Service {
   }
 
   // The job's metrics as /api/metrics serves them.
+  // With "services": every node's services as their supervisors last published them
+  // (service_keys.h), node by node.
   std::string metrics_json() const {
-    std::lock_guard<std::mutex> lock(mutex);
-    return job_metrics.json(membership.status());
+    std::string metrics;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      metrics = job_metrics.json(membership.status());
+    }
+    nlohmann::json services = nlohmann::json::array();
+    for (int node = 0; store.check({service_status_key(node)}); ++node) {
+      const nlohmann::json entries = nlohmann::json::parse(
+          store.get(service_status_key(node), std::chrono::milliseconds(0)), nullptr, false);
+      if (!entries.is_array()) continue;  // not what a supervisor publishes: left out
+      for (const nlohmann::json& e : entries) services.push_back(e);
+    }
+    nlohmann::json j = nlohmann::json::parse(metrics);
+    j["services"] = std::move(services);
+    return j.dump();
   }
 
   // The metrics endpoint: GET /metrics (Prometheus), and the dashboard's routes: / (the page),

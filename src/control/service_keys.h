@@ -24,6 +24,13 @@ inline std::string service_replica_key(const std::string& name, int replica) {
   return "services/" + name + "/" + std::to_string(replica);
 }
 
+// "services/status/node<N>": node N's services as services_node<N>.json holds them (a JSON
+// array), published by its supervisor on every change; the coordinator adds every node's to the
+// job's metrics (/api/metrics, `loom top`).
+inline std::string service_status_key(int node) {
+  return "services/status/node" + std::to_string(node);
+}
+
 // LOOM_SERVICE_DATA_CACHE for "data-cache": letters and digits upper-cased, anything else '_'.
 inline std::string service_env_name(const std::string& name) {
   std::string out = "LOOM_SERVICE_";

@@ -321,6 +321,7 @@ void ServiceSupervisor::write_state() const {
   try {
     util::write_file_atomic(run_dir_ / detail::concat("services_node", node_, ".json"),
                             out.dump(1) + "\n", util::Durability::kAtomicOnly);
+    publish_(service_status_key(node_), out.dump());  // for the job's status at the coordinator
   } catch (const Error& e) {
     say_(detail::concat("cannot write the services' state: ", e.what()));
   }

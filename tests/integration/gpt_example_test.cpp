@@ -362,6 +362,13 @@ TEST_F(GptExample, ADataServiceFeedsTrainingBitForBitThroughReplicaAndWorkerFail
     EXPECT_EQ(end.at(name)["restarts"], std::string(name) == "data/0" ? 1 : 0) << name;
   }
   EXPECT_TRUE(testing::contains(job_output(), "generation 2")) << job_output();
+  // The job's status at the coordinator (/api/metrics, `loom top`) holds the same.
+  const json job_status = json::parse(util::read_file(run / "job_metrics.json"));
+  std::map<std::string, json> reported;
+  for (const json& e : job_status.at("services")) {
+    reported[e["service"].get<std::string>() + "/" + std::to_string(e["replica"].get<int>())] = e;
+  }
+  EXPECT_EQ(reported, end);
 
   // Every step's loss, bitwise; the replica's failure was seen and survived.
   EXPECT_EQ(losses("served"), reference);

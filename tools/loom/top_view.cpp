@@ -1,4 +1,4 @@
-// `loom top`'s table from the coordinator's /api/metrics JSON.
+// `loom top`'s table from the coordinator's /api/metrics JSON (and the job spec's services).
 #include "top_view.h"
 
 #include <fmt/format.h>
@@ -70,7 +70,19 @@ std::string render_top(const std::string& api_metrics_json) {
     if (!job.at("last_failure").get<std::string>().empty())
       out += "\nlast failure: " + job.at("last_failure").get<std::string>();
     out += "\n";
-    if (rows.empty()) return out + "no step reported in this generation yet\n";
+    std::string services;  // the job spec's services, when it has any
+    if (j.contains("services") && !j.at("services").empty()) {
+      services = fmt::format("{:<16} {:>4} {:<12} {:>8} {:>8}  {}\n", "service", "node", "state",
+                             "pid", "restarts", "last exit");
+      for (const json& e : j.at("services")) {
+        services += fmt::format(
+            "{:<16} {:>4} {:<12} {:>8} {:>8}  {}\n",
+            e.at("service").get<std::string>() + "/" + std::to_string(e.at("replica").get<int>()),
+            e.at("node").get<int>(), e.at("state").get<std::string>(), e.at("pid").get<int>(),
+            e.at("restarts").get<int>(), e.at("last_exit").get<std::string>());
+      }
+    }
+    if (rows.empty()) return out + "no step reported in this generation yet\n" + services;
     out += fmt::format("{:>4} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10} {:>6} {:>8}\n",
                        "rank", "step", "step_s", "busy_s", "data", "fwd_bwd", "comm", "optim",
                        "ckpt", "tokens/s", "mfu", "rss_MiB");
@@ -86,7 +98,7 @@ std::string render_top(const std::string& api_metrics_json) {
           flagged.count(rank) ? "  << straggler" : "");
     }
     for (const auto& [rank, line] : flagged) out += line + "\n";
-    return out;
+    return out + services;
   } catch (const json::exception& e) {
     throw InvalidArgument(
         detail::concat("the coordinator's /api/metrics answer lacks a field: ", e.what()));

@@ -100,6 +100,44 @@ TEST(TopView, AJobWithoutStepsYetSaysSo) {
             "no step reported in this generation yet\n");
 }
 
+TEST(TopView, AJobSpecsServicesAreListedWithTheirStateAndRestarts) {
+  const auto service = [](const char* name, int replica, const char* state, int pid, int restarts,
+                          const char* last_exit) {
+    return json{{"service", name},
+                {"replica", replica},
+                {"node", 0},
+                {"pid", pid},
+                {"state", state},
+                {"restarts", restarts},
+                {"last_exit", last_exit}};
+  };
+  const json answer = {{"job",
+                        {{"generation", 1},
+                         {"state", "gathering"},
+                         {"world_size", 2},
+                         {"restarts", 0},
+                         {"last_failure", ""}}},
+                       {"summary",
+                        {{"ranks", 0},
+                         {"tokens_per_second", 0.0},
+                         {"samples_per_second", 0.0},
+                         {"step_seconds", 0.0},
+                         {"mfu", nullptr},
+                         {"goodput", nullptr},
+                         {"loss", nullptr}}},
+                       {"ranks", json::array()},
+                       {"stragglers", json::array()},
+                       {"services",
+                        {service("data", 0, "running", 4242, 1, "killed by signal 9 (Killed)"),
+                         service("eval", 0, "restarting", 0, 2, "exited with code 1")}}};
+  EXPECT_EQ(render_top(answer.dump()),
+            "generation 1 gathering, world 2, restarts 0\n"
+            "no step reported in this generation yet\n"
+            "service          node state             pid restarts  last exit\n"
+            "data/0              0 running          4242        1  killed by signal 9 (Killed)\n"
+            "eval/0              0 restarting          0        2  exited with code 1\n");
+}
+
 TEST(TopView, AnotherAnswerIsAClearError) {
   auto message = testing::error_of<InvalidArgument>([] { render_top("<html>404</html>"); });
   EXPECT_NE(message.find("not the coordinator's /api/metrics answer"), std::string::npos)
