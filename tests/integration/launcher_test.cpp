@@ -392,6 +392,53 @@ TEST_F(Launcher, ALongLivedServiceIsAttachedOrStartedAndOutlivesTheJob) {
   }
 }
 
+// A job spec across two nodes (two agents on this host): a service spread over both, one
+// replica each. Each node's workers get their own node's replica in LOOM_SERVICE_WEB, and
+// rt.service() every node's, from the coordinator's store; the job's status lists both.
+TEST_F(Launcher, AJobSpecAcrossTwoNodesFindsEveryNodesReplicas) {
+  TempDir dir;
+  const int port = free_port();
+  const std::string p0 = std::to_string(port), p1 = std::to_string(port + 1);
+  const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
+  const fs::path job = dir / "job.toml";
+  std::ofstream(job) << "[job]\nnodes = 2\n"
+                        "[group.web]\ncommand = [\"python3\", \"-m\", \"http.server\", \"{port}\", "
+                        "\"--bind\", \"127.0.0.1\", \"--directory\", \""
+                     << dir.path().string() << "\"]\nplacement = \"spread\"\nreplicas = 2\n"
+                     << "health = { tcp = " << port << " }\nready_timeout_seconds = 30\n"
+                     << "[group.train]\nkind = \"training\"\ncommand = [\"" << kProbe
+                     << "\", \"--probe.service=web\"]\nprocs_per_node = 1\nafter = [\"web\"]\n";
+  std::vector<Launch> nodes;
+  for (int node = 0; node < 2; ++node) {
+    const std::string name = "node" + std::to_string(node);
+    nodes.push_back(
+        {util::Subprocess::spawn(
+             {.argv = {kLoom, "run", "--run-dir", (dir / "run").string(), "--job", job.string(),
+                       "--node-rank", std::to_string(node), "--coordinator", coordinator},
+              .output = dir / (name + ".out")}),
+         dir / (name + ".out")});
+  }
+  for (Launch& node : nodes) ASSERT_EQ(finish(node, std::chrono::seconds(60)), 0) << node.text();
+  const auto probes = wait_probes(dir, 1, 2, std::chrono::seconds(1));
+  ASSERT_EQ(probes.size(), 2u);
+  for (const json& p : probes) {
+    const std::string own = p["rank"] == 0 ? p0 : p1;  // one worker per node: rank = node
+    EXPECT_EQ(p["services"], "LOOM_SERVICE_WEB=127.0.0.1:" + own) << p;
+    EXPECT_EQ(p["service"], "127.0.0.1:" + p0 + ",127.0.0.1:" + p1) << p;
+  }
+  for (int node = 0; node < 2; ++node) {
+    const json state = json::parse(
+        util::read_file(dir / "run" / ("services_node" + std::to_string(node) + ".json")));
+    ASSERT_EQ(state.size(), 1u);
+    EXPECT_EQ(state[0]["replica"], node);
+    EXPECT_EQ(state[0]["node"], node);
+    EXPECT_EQ(state[0]["state"], "stopped");
+  }
+  const json status = json::parse(util::read_file(dir / "run" / "job_metrics.json"));
+  ASSERT_EQ(status["services"].size(), 2u) << status["services"];
+  for (int node = 0; node < 2; ++node) EXPECT_EQ(status["services"][node]["node"], node);
+}
+
 TEST_F(Launcher, TwoAgentsTimesTwoWorkers) {
   TempDir dir;
   const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
