@@ -111,11 +111,14 @@ TEST(DataService, BatchesEqualAReadersBitForBitAtEveryRankAcrossEpochsAndRestore
       EXPECT_EQ(remote.stats().failovers, 0);
     }
   }
-  // The requests went round both replicas: each opened a Reader per dataset and rank, and
-  // answered about half the batches.
+  // The requests went round both replicas: each opened at least one Reader per dataset and
+  // rank (more when requests of one rank overlapped there: readers_per_client, 4), and
+  // answered some of the batches.
   const DataServerStats sa = a.stats(), sb = b.stats();
-  EXPECT_EQ(sa.readers, 4);
-  EXPECT_EQ(sb.readers, 4);
+  EXPECT_GE(sa.readers, 4);
+  EXPECT_LE(sa.readers, 16);
+  EXPECT_GE(sb.readers, 4);
+  EXPECT_LE(sb.readers, 16);
   EXPECT_GT(sa.batches, 0);
   EXPECT_GT(sb.batches, 0);
 }
