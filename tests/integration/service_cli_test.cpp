@@ -15,25 +15,15 @@
 
 #include "control/service_registry.h"
 #include "harness/harness.h"
+#include "harness/servers.h"
 #include "util/files.h"
 
 namespace loom {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::free_port;
 using testing::run_loom;
-
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // Kills whatever the registry in `dir` still runs when a test ends, passed or failed.
 struct KillServicesAtExit {
